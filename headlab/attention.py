@@ -1,0 +1,580 @@
+"""MultiHeadAttention: the one attention module every headlab model is built on.
+
+Notation used for tensor shapes:
+    B   batch size
+    S   query length (new positions in this call)
+    T   key length (past positions from the cache + S)
+    H   query heads
+    H_kv key/value heads (H for MHA, 1 for MQA, a divisor of H for GQA)
+    D   head dimension
+    E   model dimension
+
+One module covers the three layouts; only the number of key/value heads differs::
+
+     MHA (H_kv = H)        GQA (H_kv = H/2)       MQA (H_kv = 1)
+    q: 1 2 3 4            q: 1 2 3 4             q: 1 2 3 4
+       | | | |               \\/   \\/                \\ \\/ /
+    k: 1 2 3 4            k:  1    2             k:    1
+
+After physical pruning a group may lose some of its query heads, so each query head
+carries the index of its key/value head (``kv_index``) instead of relying on
+equal-sized groups.
+
+Numeric conventions, fixed here and nowhere else:
+    * the scale is computed once in ``__init__`` (1/sqrt(D) unless overridden);
+    * scores and softmax are computed in float32 at least (float64 stays float64);
+    * boolean masks use True = may attend; a query row whose keys are all masked
+      gives a zero output (and zero weights), never NaN, forward and backward;
+    * a per-head gate (Michel et al.'s xi_h) multiplies each head's output before W_O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from headlab.hookpoint import HookPoint, run_hook
+
+__all__ = ["KVCache", "Mask", "MultiHeadAttention", "apply_rotary"]
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which keys each query may attend to, built once per forward and shared by layers.
+
+    ``allowed`` is a boolean tensor broadcastable to (B, H, S, T) with True = may attend,
+    or None when every key is allowed (beyond causality). ``bias`` is an additive float
+    mask of the same broadcast shape, or None. ``causal_only`` marks the plain square
+    causal case, which the fast path hands to SDPA as ``is_causal`` without a tensor.
+    ``row_ok`` (broadcastable to (B, H, S, 1)) is set only when some query row has no
+    key left; those rows are opened for the softmax and zeroed afterwards.
+    """
+
+    allowed: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    causal_only: bool = False
+    row_ok: torch.Tensor | None = None
+
+    @staticmethod
+    def build(
+        *,
+        batch: int,
+        q_len: int,
+        k_len: int,
+        device: torch.device | str = "cpu",
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> Mask:
+        """Combine causal, sliding-window, key-padding and custom masks into one Mask.
+
+        Args:
+            causal: query i (at absolute position k_len - q_len + i) sees keys <= itself.
+            key_padding_mask: (B, T) with True (or 1) = real token that may be attended.
+            attn_mask: boolean (True = may attend) or additive float, broadcastable to
+                (B, H, S, T): shape (S, T), (B|1, S, T) or (B|1, H|1, S, T).
+            window: with causal, each query sees only its last ``window`` keys
+                (itself included), as in Mistral's sliding-window attention.
+        """
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if window is not None and not causal:
+            raise ValueError("a sliding window needs causal=True")
+        if causal and q_len > k_len:
+            raise ValueError(f"causal attention needs q_len <= k_len, got {q_len} > {k_len}")
+
+        allowed: torch.Tensor | None = None
+        bias: torch.Tensor | None = None
+        past = k_len - q_len
+        # The plain square causal case needs no tensor: SDPA's is_causal covers it.
+        causal_only = (
+            causal and q_len > 1 and past == 0 and window is None
+            and key_padding_mask is None and attn_mask is None
+        )
+        # A single new query sees every cached key, unless a window cuts the oldest.
+        if causal and not causal_only and (q_len > 1 or window is not None):
+            q_pos = torch.arange(past, past + q_len, device=device)[:, None]  # (S, 1)
+            k_pos = torch.arange(k_len, device=device)[None, :]  # (1, T)
+            allowed = k_pos <= q_pos  # (S, T)
+            if window is not None:
+                allowed = allowed & (k_pos > q_pos - window)
+            allowed = allowed[None, None]  # (1, 1, S, T)
+
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (batch, k_len):
+                raise ValueError(
+                    f"key_padding_mask must have shape (B, T) = ({batch}, {k_len}), "
+                    f"got {tuple(key_padding_mask.shape)}"
+                )
+            pad = key_padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+            allowed = pad if allowed is None else allowed & pad  # (B, 1, S|1, T)
+
+        if attn_mask is not None:
+            attn_mask = _as_4d(attn_mask.to(device), q_len, k_len)
+            if attn_mask.dtype == torch.bool:
+                allowed = attn_mask if allowed is None else allowed & attn_mask
+            else:
+                bias = attn_mask
+
+        row_ok = None
+        if allowed is not None or bias is not None:
+            ok = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+            if allowed is not None:
+                ok = allowed.any(dim=-1, keepdim=True)
+            if bias is not None:
+                finite = bias > float("-inf")
+                if allowed is not None:
+                    finite = finite & allowed
+                ok = ok & finite.any(dim=-1, keepdim=True)
+            if not bool(ok.all()):
+                row_ok = ok  # (B|1, H|1, S, 1)
+                if allowed is not None:
+                    allowed = allowed | ~ok
+                if bias is not None:
+                    bias = bias.masked_fill(~ok, 0.0)
+        return Mask(allowed=allowed, bias=bias, causal_only=causal_only, row_ok=row_ok)
+
+
+def _as_4d(mask: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """Reshape a (S, T), (B, S, T) or (B, H, S, T) mask to 4-D (B|1, H|1, S, T)."""
+    if mask.shape[-2:] != (q_len, k_len):
+        raise ValueError(
+            f"attn_mask must end in (S, T) = ({q_len}, {k_len}), got {tuple(mask.shape)}"
+        )
+    if mask.dim() == 2:
+        return mask[None, None]
+    if mask.dim() == 3:
+        return mask[:, None]
+    if mask.dim() == 4:
+        return mask
+    raise ValueError(f"attn_mask must be 2-, 3- or 4-D, got {mask.dim()}-D")
+
+
+class KVCache:
+    """Keys and values of past positions for one attention layer.
+
+    Storage is preallocated and doubled when full, so appending a token copies only
+    that token: decoding n tokens costs O(n) per step, not a re-projection of the past.
+    """
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None  # (B, H_kv, capacity, D)
+        self._v: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, H_kv, S, D) keys/values; return views of all (B, H_kv, T, D)."""
+        new = k.shape[2]
+        if self._k is None:
+            cap = max(16, 2 * new)
+            self._k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            self._v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+        elif self.length + new > self._k.shape[2]:
+            cap = max(2 * self._k.shape[2], self.length + new)
+            self._k = _grow(self._k, cap, self.length)
+            self._v = _grow(self._v, cap, self.length)
+        end = self.length + new
+        self._k[:, :, self.length : end] = k
+        self._v[:, :, self.length : end] = v
+        self.length = end
+        return self._k[:, :, :end], self._v[:, :, :end]
+
+
+def _grow(buf: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
+    out = buf.new_empty(buf.shape[0], buf.shape[1], capacity, buf.shape[3])
+    out[:, :, :used] = buf[:, :, :used]
+    return out
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotary position embedding, half-split convention (as HF Llama after conversion).
+
+    x: (B, H, S, D); cos, sin: (B|1, S, D).
+    """
+    cos = cos[:, None]  # (B|1, 1, S, D)
+    sin = sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with MHA/GQA/MQA, masks, KV cache, head gates and pruning.
+
+    Args (keyword-only):
+        d_model: model dimension E.
+        n_heads: query heads H.
+        n_kv_heads: key/value heads H_kv (default H); H must be a multiple of it.
+        head_dim: D (default E / H); independent of E / H when given.
+        bias: bias on the Q, K, V projections.
+        out_bias: bias on W_O (default: same as ``bias``).
+        scale: factor on Q K^T (default 1/sqrt(D)).
+        dropout: dropout on the attention weights, in training mode only.
+        kv_index: the key/value head of each query head, for layouts left uneven by
+            pruning (then n_heads need not be a multiple of n_kv_heads; 0 heads is
+            allowed and the layer outputs W_O's bias).
+
+    ``forward`` returns the (B, S, E) output, or ``(output, weights)`` with the per-head
+    weights (B, H, S, T) when ``need_weights=True``.
+    """
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = True,
+        out_bias: bool | None = None,
+        scale: float | None = None,
+        dropout: float = 0.0,
+        kv_index: Iterable[int] | None = None,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if kv_index is None:
+            if n_heads < 1 or n_kv_heads < 1:
+                raise ValueError(
+                    f"n_heads ({n_heads}) and n_kv_heads ({n_kv_heads}) must be >= 1"
+                )
+            if n_heads % n_kv_heads:
+                raise ValueError(
+                    f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
+                )
+            kv_index = torch.arange(n_kv_heads).repeat_interleave(n_heads // n_kv_heads)
+        else:
+            kv_index = torch.as_tensor(kv_index, dtype=torch.long)
+            if kv_index.shape != (n_heads,) or (
+                n_heads and set(kv_index.tolist()) != set(range(n_kv_heads))
+            ):
+                raise ValueError(
+                    f"kv_index must map each of the {n_heads} query heads to one of the "
+                    f"{n_kv_heads} key/value heads, each used at least once; "
+                    f"got {kv_index.tolist()}"
+                )
+        if head_dim is None:
+            if n_heads < 1 or d_model % n_heads:
+                raise ValueError(
+                    f"d_model ({d_model}) is not divisible by n_heads ({n_heads}); "
+                    "pass head_dim explicitly"
+                )
+            head_dim = d_model // n_heads
+        out_bias = bias if out_bias is None else out_bias
+
+        self.d_model = d_model
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+
+        # original indices of the heads still present, and each query head's kv head
+        self.register_buffer("head_ids", torch.arange(n_heads), persistent=True)
+        self.register_buffer("kv_head_ids", torch.arange(n_kv_heads), persistent=True)
+        self.register_buffer("kv_index", kv_index, persistent=True)
+        self.register_buffer("head_gate", torch.ones(n_heads), persistent=True)
+        # heads before any pruning; models rebuilt from a pruned checkpoint set it
+        self.n_original_heads = n_heads
+        # A tensor set here (shape (H,) or (B, H)) replaces head_gate for the next
+        # forwards; importance scoring sets one that requires grad.
+        self.gate_override: torch.Tensor | None = None
+        # (gate tensor, its version, all ones?): holding the tensor itself, not its id,
+        # so a new gate tensor can never be mistaken for a freed one at the same address
+        self._gate_state: tuple[torch.Tensor | None, int, bool] = (None, -1, True)
+        self._refresh_layout()
+
+        # Hook points, in the order the forward reaches them.
+        self.q = HookPoint()  # (B, S, H, D) after rotary
+        self.k = HookPoint()  # (B, S, H_kv, D) new positions, after rotary
+        self.v = HookPoint()  # (B, S, H_kv, D) new positions
+        self.scores = HookPoint()  # (B, H, S, T) scaled, masked (-inf), float32 or float64
+        self.pattern = HookPoint()  # (B, H, S, T) softmax weights, float32 or float64
+        self.z = HookPoint()  # (B, S, H, D) per-head outputs after the gate, before W_O
+        self.out = HookPoint()  # (B, S, E)
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def n_heads(self) -> int:
+        return self.head_ids.numel()
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_head_ids.numel()
+
+    def _refresh_layout(self) -> None:
+        """Recompute whether K/V heads form equal contiguous groups (SDPA's enable_gqa)."""
+        h, h_kv = self.n_heads, self.n_kv_heads
+        self._kv_identity = h == h_kv and bool(
+            torch.equal(self.kv_index.cpu(), torch.arange(h))
+        )
+        self._kv_regular = (
+            h_kv > 0
+            and h % h_kv == 0
+            and bool(
+                torch.equal(self.kv_index.cpu(), torch.arange(h_kv).repeat_interleave(h // h_kv))
+            )
+        )
+
+    def _gate(self) -> torch.Tensor | None:
+        """The gate to apply, or None when every gate is exactly 1 (nothing to do)."""
+        if self.gate_override is not None:
+            return self.gate_override
+        g = self.head_gate
+        seen, version, all_ones = self._gate_state
+        if seen is not g or version != g._version:
+            all_ones = bool(torch.all(g == 1))
+            self._gate_state = (g, g._version, all_ones)
+        return None if all_ones else g
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: Mask | None = None,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        window: int | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Self-attention over x (B, S, E).
+
+        Pass either a prebuilt ``mask`` (models build it once per forward) or the
+        ``causal`` / ``key_padding_mask`` (B, T; True = real token) / ``attn_mask`` /
+        ``window`` arguments. ``rotary`` is (cos, sin), each (B|1, S, D), applied to Q
+        and K. With ``cache``, keys/values of x are appended to it and attention runs
+        over all cached positions.
+        """
+        B, S, _ = x.shape
+        H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        past = cache.length if cache is not None else 0
+        if mask is None:
+            mask = Mask.build(
+                batch=B, q_len=S, k_len=past + S, device=x.device, causal=causal,
+                key_padding_mask=key_padding_mask, attn_mask=attn_mask, window=window,
+            )
+        if H == 0:
+            return self._empty_output(x, past + S, need_weights)
+
+        q = self.q_proj(x).view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+        k = self.k_proj(x).view(B, S, H_kv, D).transpose(1, 2)  # (B, H_kv, S, D)
+        v = self.v_proj(x).view(B, S, H_kv, D).transpose(1, 2)  # (B, H_kv, S, D)
+        if rotary is not None:
+            q = apply_rotary(q, *rotary)
+            k = apply_rotary(k, *rotary)
+        if self.q._forward_hooks:
+            q = self.q(q.transpose(1, 2)).transpose(1, 2)
+        if self.k._forward_hooks:
+            k = self.k(k.transpose(1, 2)).transpose(1, 2)
+        if self.v._forward_hooks:
+            v = self.v(v.transpose(1, 2)).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, H_kv, T, D)
+
+        eager = need_weights or self.scores._forward_hooks or self.pattern._forward_hooks
+        if eager:
+            z, weights = self._eager(q, k, v, mask)
+        else:
+            z, weights = self._fast(q, k, v, mask), None
+        if mask.row_ok is not None:
+            z = z * mask.row_ok.to(z.dtype)  # rows with no key give zeros
+
+        gate = self._gate()
+        if gate is not None:
+            g = gate.to(z.dtype)
+            z = z * (g[None, :, None, None] if g.dim() == 1 else g[:, :, None, None])
+
+        z = z.transpose(1, 2)  # (B, S, H, D)
+        if self.z._forward_hooks:
+            z = self.z(z)
+        out = self.o_proj(z.reshape(B, S, H * D))  # (B, S, E)
+        out = run_hook(self.out, out)
+        return (out, weights) if need_weights else out
+
+    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, T, D) -> (B, H, T, D) following kv_index (groups may be uneven)."""
+        if self._kv_identity:
+            return t
+        if self._kv_regular:
+            return t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+        return t.index_select(1, self.kv_index)
+
+    def _fast(self, q, k, v, mask: Mask) -> torch.Tensor:
+        """SDPA path: no weights materialised. Returns z (B, H, S, D)."""
+        gqa = not self._kv_identity and self._kv_regular
+        if not self._kv_identity and not self._kv_regular:
+            k, v = self._expand_kv(k), self._expand_kv(v)
+        attn: torch.Tensor | None = mask.allowed
+        if mask.bias is not None:
+            attn = mask.bias if attn is None else mask.bias.masked_fill(~attn, float("-inf"))
+            attn = attn.to(q.dtype)
+        dropout = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn, dropout_p=dropout, is_causal=mask.causal_only,
+            scale=self.scale, enable_gqa=gqa,
+        )
+
+    def _eager(self, q, k, v, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Materialise per-head weights. Returns z (B, H, S, D) and weights (B, H, S, T)."""
+        k, v = self._expand_kv(k), self._expand_kv(v)  # (B, H, T, D)
+        S, T = q.shape[2], k.shape[2]
+        # scores in float32 for half inputs; float64 is not rounded down
+        acc = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * self.scale  # (B,H,S,T)
+        if mask.bias is not None:
+            scores = scores + mask.bias.to(acc)
+        allowed = mask.allowed
+        if mask.causal_only:
+            allowed = torch.ones(S, T, dtype=torch.bool, device=q.device).tril(T - S)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = run_hook(self.scores, scores)
+        weights = torch.softmax(scores, dim=-1)  # float32 (float64 for float64 inputs)
+        if mask.row_ok is not None:
+            weights = weights * mask.row_ok
+        weights = run_hook(self.pattern, weights)
+        if self.training and self.dropout:
+            weights = F.dropout(weights, p=self.dropout)
+        z = torch.matmul(weights.to(v.dtype), v)  # (B, H, S, D)
+        return z, weights
+
+    def _empty_output(self, x: torch.Tensor, k_len: int, need_weights: bool):
+        """A layer with every head pruned outputs W_O's bias (or zeros) at each position."""
+        B, S, E = x.shape
+        out = x.new_zeros(B, S, E)
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        out = run_hook(self.out, out)
+        if need_weights:
+            acc = torch.promote_types(x.dtype, torch.float32)
+            return out, x.new_zeros(B, 0, S, k_len, dtype=acc)
+        return out
+
+    # ------------------------------------------------------------------ gates
+    def set_gates(self, values: torch.Tensor | Iterable[float]) -> None:
+        """Set the per-head gates (H,) in place, e.g. 0 to switch heads off."""
+        values = torch.as_tensor(values, dtype=self.head_gate.dtype, device=self.head_gate.device)
+        if values.shape != self.head_gate.shape:
+            raise ValueError(f"gates must have shape ({self.n_heads},), got {tuple(values.shape)}")
+        self.head_gate.copy_(values)
+
+    # ------------------------------------------------------------------ pruning
+    def prune_heads(self, heads: Iterable[int]) -> None:
+        """Physically remove query heads, given by their ORIGINAL indices.
+
+        Removes their rows of W_Q (and bias) and columns of W_O; a key/value head goes
+        only when every query head of its group is gone. Indices already pruned are
+        ignored, so a plan can be applied step by step. Afterwards the module equals
+        the unpruned module with those heads' gates at 0.
+        """
+        drop = {int(h) for h in heads}
+        bad = sorted(h for h in drop if not 0 <= h < self.n_original_heads)
+        if bad:
+            raise ValueError(
+                f"head indices {bad} out of range: this layer had "
+                f"{self.n_original_heads} heads (original indices 0..{self.n_original_heads - 1})"
+            )
+        ids = self.head_ids.tolist()
+        keep = [p for p, h in enumerate(ids) if h not in drop]
+        if len(keep) == len(ids):
+            return
+        D = self.head_dim
+        rows = _head_rows(keep, D, self.head_ids.device)
+        kv_keep = sorted({int(self.kv_index[p]) for p in keep})
+        kv_rows = _head_rows(kv_keep, D, self.head_ids.device)
+
+        self.q_proj = _slice_linear(self.q_proj, rows, dim=0)
+        self.k_proj = _slice_linear(self.k_proj, kv_rows, dim=0)
+        self.v_proj = _slice_linear(self.v_proj, kv_rows, dim=0)
+        self.o_proj = _slice_linear(self.o_proj, rows, dim=1)
+
+        remap = {old: new for new, old in enumerate(kv_keep)}
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.head_ids.device)
+        self.kv_index = torch.tensor(
+            [remap[int(self.kv_index[p])] for p in keep], dtype=torch.long,
+            device=self.kv_index.device,
+        )
+        self.head_ids = self.head_ids[keep_t]
+        self.kv_head_ids = self.kv_head_ids[
+            torch.tensor(kv_keep, dtype=torch.long, device=self.kv_head_ids.device)
+        ]
+        self.head_gate = self.head_gate[keep_t]
+        self._gate_state = (None, -1, True)
+        self._refresh_layout()
+
+    # ------------------------------------------------------------------ interop
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Build an equal module from ``torch.nn.MultiheadAttention`` (self-attention).
+
+        Note the mask conventions differ: torch's ``key_padding_mask`` and boolean
+        ``attn_mask`` use True = masked out; headlab's use True = may attend.
+        """
+        if not m._qkv_same_embed_dim:
+            raise ValueError("from_torch supports kdim == vdim == embed_dim only")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError("from_torch does not support add_bias_kv or add_zero_attn")
+        E, H = m.embed_dim, m.num_heads
+        has_bias = m.in_proj_bias is not None
+        w = m.in_proj_weight
+        out = cls(d_model=E, n_heads=H, bias=has_bias, out_bias=m.out_proj.bias is not None,
+                  dropout=m.dropout)
+        out = out.to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for proj, chunk in zip((out.q_proj, out.k_proj, out.v_proj), w.chunk(3), strict=True):
+                proj.weight.copy_(chunk)
+            if has_bias:
+                for proj, chunk in zip(
+                    (out.q_proj, out.k_proj, out.v_proj), m.in_proj_bias.chunk(3), strict=True
+                ):
+                    proj.bias.copy_(chunk)
+            out.o_proj.weight.copy_(m.out_proj.weight)
+            if m.out_proj.bias is not None:
+                out.o_proj.bias.copy_(m.out_proj.bias)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+            f"head_dim={self.head_dim}"
+        )
+
+
+def _head_rows(heads: list[int], head_dim: int, device) -> torch.Tensor:
+    """Feature indices of the given head positions: [h*D, ..., h*D + D-1] each."""
+    if not heads:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    h = torch.tensor(heads, dtype=torch.long, device=device)
+    return (h[:, None] * head_dim + torch.arange(head_dim, device=device)).reshape(-1)
+
+
+def _slice_linear(lin: nn.Linear, index: torch.Tensor, *, dim: int) -> nn.Linear:
+    """A new Linear keeping ``index`` of the output (dim=0) or input (dim=1) features."""
+    w = lin.weight.detach().index_select(dim, index)
+    bias = lin.bias
+    new_bias = None
+    if bias is not None:
+        new_bias = bias.detach().index_select(0, index) if dim == 0 else bias.detach()
+    new = skip_init(nn.Linear, w.shape[1], w.shape[0], bias=bias is not None,
+                    device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        new.weight.copy_(w)
+        if new_bias is not None:
+            new.bias.copy_(new_bias)
+    new.weight.requires_grad_(lin.weight.requires_grad)
+    return new

@@ -1,0 +1,6 @@
+"""headlab's model families (GPT-2, BERT, Llama) and `load`."""
+
+from headlab.models.base import Cache, HeadModel, ModelOutput
+from headlab.models.loading import BUNDLED, ModelNotFoundError, load
+
+__all__ = ["BUNDLED", "Cache", "HeadModel", "ModelNotFoundError", "ModelOutput", "load"]

