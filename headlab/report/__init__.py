@@ -1,0 +1,95 @@
+"""The HTML report of a run: one self-contained file that opens anywhere, offline.
+
+Everything the page needs is inside it: the project's own CSS and JS inline, figures
+as inline SVG, and the attention sample as JSON in one <script type="application/json">.
+A Content-Security-Policy lets only that script run and forbids every fetch, so the
+report cannot reach the network even if a token in the data were hostile.
+
+The report is rebuilt from results.json alone; it never re-runs a model.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
+
+from . import _context
+from ._encoding import decode_attention, encode_attention, script_json
+
+__all__ = ["build_report", "decode_attention", "encode_attention", "write_report"]
+
+_HERE = Path(__file__).parent
+_REQUIRED = ("model", "method", "importance", "heads_total")
+
+
+def build_report(results: dict, out_path: str | Path) -> Path:
+    """Render the results dict (the results.json schema) to a standalone HTML file."""
+    missing = [k for k in _REQUIRED if results.get(k) is None]
+    if missing:
+        raise ValueError(f"results lack {', '.join(missing)}; a report needs at least "
+                         f"{', '.join(_REQUIRED)} (see reports/README.md)")
+    importance = results["importance"]
+    if not isinstance(importance, list) or not all(isinstance(r, list) for r in importance):
+        raise ValueError("results['importance'] must be a list of per-layer lists of floats "
+                         f"(layers x heads); got {type(importance).__name__}")
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(_render(results), encoding="utf-8")
+    return out
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Rebuild RUN_DIR/report.html from RUN_DIR/results.json (what `headlab report` runs)."""
+    path = Path(run_dir) / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; RUN_DIR must be a directory written by "
+                                "`headlab prune` or `headlab run`")
+    results = json.loads(path.read_text(encoding="utf-8"))
+    return build_report(results, path.parent / "report.html")
+
+
+def _render(results: dict) -> str:
+    """The page as one string: inline CSS and JS, the policy, the data block, the figures."""
+    js = (_HERE / "report.js").read_text(encoding="utf-8")
+    css = (_HERE / "report.css").read_text(encoding="utf-8")
+    if "</" in js or "</" in css:
+        raise RuntimeError("report.js/report.css must not contain '</': it would end the "
+                           "inline element early")
+    # The policy names the one script by hash, so injected inline code could not run.
+    script_hash = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode()
+    csp = (f"default-src 'none'; script-src 'sha256-{script_hash}'; "
+           "style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'")
+
+    mask = _context.pruned_mask(results)
+    facts = _context.run_facts(results)
+    sample, sample_note = _context.sample_view(results)
+    data = {"sample": sample, "pruned": mask}
+    env = Environment(loader=FileSystemLoader(_HERE), autoescape=True,
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    return env.get_template("template.html").render(
+        r=results,
+        csp=csp,
+        css=Markup(css),
+        js=Markup(js),
+        data_json=Markup(script_json(data)),
+        facts=facts,
+        keep_text=None if facts["keep"] == _context.NOT_MEASURED else facts["keep"],
+        normalisation=results.get("importance_normalisation"),
+        warning=_context.get(results, "data", "warning"),
+        score_only=mask is None,
+        summary=_context.summary_rows(results),
+        per_layer=_context.per_layer_rows(results),
+        config=_context.config_rows(results.get("config")),
+        figures=_context.figures(results, mask),
+        cluster_method=_context.get(results, "clusters", "method"),
+        stats=_context.statistics_table(results, mask),
+        files=_context.file_links(results),
+        sample=sample,
+        sample_note=sample_note,
+        not_measured=_context.NOT_MEASURED,
+    )

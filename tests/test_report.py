@@ -1,0 +1,347 @@
+"""The HTML report: attention encoding, script-safe JSON, partial results, size, and the
+page itself in headless Chromium with the network blocked."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _report_fixture import make_results, sample_tokens, score_only
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from headlab.report import build_report, decode_attention, encode_attention, write_report
+from headlab.report._encoding import script_json
+
+HOSTILE = "</script><img src=x onerror=alert(1)>"
+ARTIFACTS = Path(__file__).parent / "artifacts"
+QUANT_TOL = 0.5 / 255 + 1e-6  # rounding to the nearest of 256 levels
+
+
+def _softmax_attention(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).mul(3).softmax(dim=-1)  # (L, H, S, S)
+
+
+def _embedded(html: str) -> dict:
+    block = re.search(r'<script type="application/json" id="report-data">(.*?)</script>',
+                      html, re.S)
+    assert block, "the report has no JSON data block"
+    return json.loads(block.group(1))
+
+
+# ---------------------------------------------------------------- encoding, escaping
+
+def test_attention_round_trip_is_within_one_quantisation_step():
+    w = _softmax_attention((2, 3, 7, 7))
+    encoded = encode_attention(w)
+    assert encoded["encoding"] == "uint8-base64" and encoded["shape"] == [2, 3, 7, 7]
+    assert len(base64.b64decode(encoded["data"])) == 2 * 3 * 7 * 7  # one byte per weight
+    back = decode_attention(encoded)
+    assert back.dtype == np.float32 and back.shape == (2, 3, 7, 7)
+    torch.testing.assert_close(torch.from_numpy(back), w, rtol=0, atol=QUANT_TOL)
+    assert encode_attention(w.numpy()) == encoded  # numpy and torch inputs agree
+
+
+@settings(max_examples=50, deadline=None)
+@given(arrays(np.float32, st.tuples(st.integers(1, 2), st.integers(1, 3),
+                                    st.shared(st.integers(1, 6), key="s"),
+                                    st.shared(st.integers(1, 6), key="s")),
+              elements=st.floats(0, 1, width=32)))
+def test_attention_round_trip_any_weights(w):
+    back = decode_attention(encode_attention(w))
+    np.testing.assert_allclose(back, w, rtol=0, atol=QUANT_TOL)
+    assert encode_attention(back) == encode_attention(w)  # decoded values are fixed points
+
+
+def test_encode_keeps_extremes_exact():
+    w = np.array([0.0, 1.0, 1 / 255, 254 / 255], dtype=np.float32).reshape(1, 1, 2, 2)
+    np.testing.assert_allclose(decode_attention(encode_attention(w)), w, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    (np.zeros((2, 4, 4)), "shape"),
+    (np.zeros((1, 1, 3, 4)), "shape"),
+    (np.full((1, 1, 2, 2), 3.0), r"\[0, 1\]"),
+    (np.full((1, 1, 2, 2), np.nan), "NaN"),
+])
+def test_encode_rejects_what_is_not_attention(bad, message):
+    with pytest.raises(ValueError, match=message):
+        encode_attention(bad)
+
+
+def test_decode_rejects_damaged_data():
+    encoded = encode_attention(np.zeros((1, 2, 3, 3)))
+    with pytest.raises(ValueError, match="damaged"):
+        decode_attention(dict(encoded, shape=[1, 2, 4, 4]))
+    with pytest.raises(ValueError, match="encoding"):
+        decode_attention(dict(encoded, encoding="float16-base64"))
+
+
+def test_script_json_cannot_close_the_script_or_form_markup():
+    obj = {"tokens": [HOSTILE, "a & b", "<!--", "\u2028"], "n": 1.5}
+    text = script_json(obj)
+    assert not set("<>&") & set(text)
+    assert "\u2028" not in text and "\\u003c/script\\u003e" in text
+    assert json.loads(text) == obj
+    with pytest.raises(ValueError):
+        script_json({"x": math.nan})
+
+
+# ---------------------------------------------------------------- static HTML
+
+@pytest.fixture(scope="module")
+def full_results() -> dict:
+    return make_results()
+
+
+def test_report_embeds_data_once_with_policy_naming_its_script(tmp_path, full_results):
+    html = build_report(full_results, tmp_path / "report.html").read_text(encoding="utf-8")
+    assert len(re.findall(r"<script\b", html)) == 2  # the data block and the code
+    csp = re.search(r'http-equiv="Content-Security-Policy" content="([^"]*)"', html).group(1)
+    assert "default-src &#39;none&#39;" in csp and "img-src data:" in csp
+    code = re.search(r"<script>(.*?)</script>", html, re.S).group(1)
+    digest = base64.b64encode(hashlib.sha256(code.encode()).digest()).decode()
+    assert f"sha256-{digest}" in csp
+    data = _embedded(html)
+    assert data["sample"]["tokens"] == full_results["sample"]["tokens"]
+    assert data["sample"]["attention"]["data"] == full_results["sample"]["attention"]["data"]
+    n_pruned = sum(map(sum, data["pruned"]))
+    assert n_pruned == full_results["heads_total"] - full_results["heads_kept"]
+    assert not re.search(r'(src|href)="(https?:)?//', html)  # nothing to fetch
+
+
+def test_report_for_144_heads_and_64_tokens_is_under_5_mb(tmp_path, full_results):
+    assert full_results["sample"]["attention"]["shape"] == [12, 12, 64, 64]
+    size = build_report(full_results, tmp_path / "report.html").stat().st_size
+    assert 12 * 12 * 64 * 64 < size <= 5 * 1024 * 1024  # holds the sample, stays small
+
+
+def test_hostile_strings_are_escaped_everywhere(tmp_path):
+    r = make_results(layers=2, heads=2, seq=8, tokens=[HOSTILE, *sample_tokens(7)])
+    r["model"] = r["clusters"]["names"]["0"] = r["config"]["seed"] = HOSTILE
+    r["curves"][HOSTILE] = r["curves"].pop("ablation")
+    r["files"]["results"] = "javascript:alert(1)"
+    html = build_report(r, tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "<img" not in html and HOSTILE not in html
+    assert 'href="javascript:' not in html
+    assert _embedded(html)["sample"]["tokens"][0] == HOSTILE
+
+
+def test_score_only_run_says_what_was_not_measured(tmp_path, full_results):
+    html = build_report(score_only(full_results), tmp_path / "r.html").read_text("utf-8")
+    assert "score only: nothing was pruned" in html
+    assert "not measured" in html
+    assert 'class="run-marker"' not in html and 'class="cross"' not in html
+    assert _embedded(html)["pruned"] is None
+
+
+def test_minimal_results_render(tmp_path):
+    r = {"model": "m", "method": "ablation", "heads_total": 4,
+         "importance": [[0.1, None], [math.nan, 0.4]]}
+    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    assert html.count("not measured") >= 10
+    assert "not scored" in html and _embedded(html) == {"sample": None, "pruned": None}
+
+
+_OPTIONAL_KEYS = [k for k in make_results(layers=1, heads=1, seq=2)
+                  if k not in ("model", "method", "importance", "heads_total")]
+
+
+@pytest.mark.parametrize("key", _OPTIONAL_KEYS)
+@pytest.mark.parametrize("how", ["null", "absent"])
+def test_any_optional_key_may_be_null_or_absent(tmp_path, key, how):
+    r = make_results(layers=2, heads=3, seq=6)
+    if how == "null":
+        r[key] = None
+    else:
+        del r[key]
+    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    assert 'class="figure heatmap"' in html
+
+
+def test_unusable_sample_is_reported_not_fatal(tmp_path, full_results):
+    r = dict(full_results, sample=dict(full_results["sample"], tokens=["a", "b"]))
+    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    assert "covers 64 positions but the sample has 2 tokens" in html
+    assert _embedded(html)["sample"] is None
+
+
+def test_single_curve_is_drawn_under_the_method_name(tmp_path, full_results):
+    r = {k: v for k, v in full_results.items() if k != "curves"}
+    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    assert re.findall(r'data-method="([^"]*)"', html) == ["michel"]
+
+
+def test_missing_required_key_is_an_actionable_error(tmp_path):
+    with pytest.raises(ValueError, match="importance"):
+        build_report({"model": "m", "method": "x", "heads_total": 1}, tmp_path / "r.html")
+
+
+def test_write_report_rebuilds_from_results_json(tmp_path, full_results):
+    (tmp_path / "results.json").write_text(json.dumps(full_results), encoding="utf-8")
+    out = write_report(tmp_path)
+    assert out == tmp_path / "report.html"
+    assert _embedded(out.read_text("utf-8"))["sample"]["tokens"][:2] == ["The", " old"]
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        write_report(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------- in the browser
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium, fresh profile, every network request blocked."""
+    from selenium import webdriver
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        pytest.fail("browser tests need Chromium: apt-get install -y chromium chromium-driver "
+                    "(or deselect them with -m 'not browser')")
+    profile = tempfile.mkdtemp(prefix="headlab-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run",
+                "--window-size=1280,1000", f"--user-data-dir={profile}"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options,
+                              service=webdriver.ChromeService(executable_path=driver_path))
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*"]})
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _open_clean(driver, path: Path) -> None:
+    """Load the report and assert it fetched nothing and logged no error."""
+    driver.get_log("browser")  # drop what earlier pages logged
+    driver.get(path.resolve().as_uri())
+    assert driver.execute_script("return performance.getEntriesByType('resource').length") == 0
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == []
+
+
+def _size(driver, selector: str) -> tuple[float, float]:
+    return tuple(driver.execute_script(
+        "const b = document.querySelector(arguments[0]).getBoundingClientRect();"
+        "return [b.width, b.height];", selector))
+
+
+def _drawn(driver, selector: str) -> bool:
+    """True when the canvas holds at least one pixel that is neither blank nor white."""
+    return driver.execute_script("""
+        const c = document.querySelector(arguments[0]);
+        const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        for (let k = 0; k < px.length; k += 4)
+          if (px[k + 3] > 0 && (px[k] < 250 || px[k + 1] < 250 || px[k + 2] < 250)) return true;
+        return false;""", selector)
+
+
+FIGURES = ["svg.heatmap", "svg.curve", "#gallery-grid canvas", "#explorer-canvas",
+           "#explorer-left div", "#stats-table", "svg.clusters"]
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("kind", ["pruned", "score-only"])
+def test_report_draws_every_figure_offline(browser, tmp_path, full_results, kind):
+    results = full_results if kind == "pruned" else score_only(full_results)
+    _open_clean(browser, build_report(results, tmp_path / "report.html"))
+    expected = FIGURES if kind == "pruned" else [f for f in FIGURES if f != "svg.curve"]
+    for selector in expected:
+        width, height = _size(browser, selector)
+        assert width > 0 and height > 0, selector
+    assert len(browser.find_elements("css selector", "#gallery-grid canvas")) == 144
+    assert _drawn(browser, "#gallery-grid canvas") and _drawn(browser, "#explorer-canvas")
+    assert len(browser.find_elements("css selector", ".head-thumb.pruned")) == (
+        144 - full_results["heads_kept"] if kind == "pruned" else 0)
+    if kind == "score-only":
+        assert "not measured" in browser.find_element("id", "curve").text
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / f"report-{kind}.png"))
+
+
+@pytest.mark.browser
+def test_report_interactions(browser, tmp_path, full_results):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.support.ui import Select
+
+    _open_clean(browser, build_report(full_results, tmp_path / "report.html"))
+    tokens = full_results["sample"]["tokens"]
+    weights = decode_attention(full_results["sample"]["attention"])  # (L, H, S, S)
+
+    # Enlarge layer 1, head 2: labels are the tokens; hovering a cell reads its weight.
+    browser.find_elements("css selector", ".head-thumb")[12 + 2].click()
+    assert browser.find_element("id", "enlarge").get_attribute("open") is not None
+    labels = browser.find_elements("css selector", "#enlarge-grid .rows div")
+    assert [d.get_attribute("textContent") for d in labels] == tokens
+    canvas = browser.find_element("css selector", "#enlarge-grid canvas")
+    width, height = _size(browser, "#enlarge-grid canvas")
+    i, j = 10, 9  # query, key
+    ActionChains(browser).move_to_element_with_offset(
+        canvas, int((j + 0.5) * width / 64 - width / 2), int((i + 0.5) * height / 64 - height / 2)
+    ).perform()
+    readout = browser.find_element("id", "enlarge-readout").text
+    assert readout.startswith(f"query {i} ") and f" key {j} " in readout
+    assert float(readout.rsplit(" ", 1)[1]) == pytest.approx(weights[1, 2, i, j], abs=6e-4)
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "report-enlarged.png"))
+    browser.find_element("id", "enlarge-close").click()
+
+    # Explorer: another layer shows that layer's pruned heads; "none" clears the lines.
+    Select(browser.find_element("id", "explorer-layer")).select_by_value("3")
+    pruned = [b.text for b in browser.find_elements("css selector", "#explorer-heads .pruned")]
+    kept = set(full_results["kept_heads"]["3"])
+    assert pruned == [f"H{h}" for h in range(12) if h not in kept]
+    browser.find_element("id", "explorer-none").click()
+    assert not _drawn(browser, "#explorer-canvas")
+
+    # Sorting by entropy puts the largest first.
+    browser.find_element("css selector", "#stats-table th[data-col='2']").click()
+    first = browser.find_element("css selector", "#stats-table tbody td:nth-child(3)").text
+    assert float(first) == pytest.approx(max(r["entropy"] for r in full_results["statistics"]),
+                                         abs=5e-4)
+
+    # The policy itself refuses a fetch. The DevTools block would stop the request before
+    # the policy sees it, so it is lifted for this one check.
+    browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+    try:
+        directive = browser.execute_async_script("""
+            const done = arguments[0];
+            document.addEventListener('securitypolicyviolation',
+                                      (e) => done(e.effectiveDirective), {once: true});
+            const img = document.createElement('img');
+            img.src = 'https://example.com/pixel.png';
+            document.body.append(img);
+            setTimeout(() => done('none'), 2000);""")
+    finally:
+        browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*"]})
+    assert directive == "img-src"
+
+
+@pytest.mark.browser
+def test_hostile_token_shows_as_text_and_runs_nothing(browser, tmp_path):
+    from selenium.common.exceptions import NoAlertPresentException
+
+    r = make_results(layers=2, heads=2, seq=8, tokens=[*sample_tokens(4), HOSTILE,
+                                                       *sample_tokens(3)])
+    r["model"] = r["clusters"]["names"]["0"] = HOSTILE
+    _open_clean(browser, build_report(r, tmp_path / "report.html"))
+    with pytest.raises(NoAlertPresentException):
+        browser.switch_to.alert.text  # noqa: B018 - reading it is the check
+    assert browser.find_elements("css selector", "img") == []
+    left = browser.find_elements("css selector", "#explorer-left div")
+    assert left[4].text == HOSTILE and left[4].is_displayed()
+    assert browser.find_element("css selector", "h1 .model").text == HOSTILE
