@@ -1,0 +1,432 @@
+"""BERT on headlab's attention: config, blocks, heads and the weight mapping from HF BERT.
+
+Post-norm encoder: x = ln_1(x + attn(x)), then x = ln_2(x + mlp(x)); the input is
+word + position + token-type embeddings followed by a LayerNorm. One of three heads
+sits on top, chosen from the checkpoint:
+
+* ``head="mlm"`` (BertForMaskedLM / BertForPreTraining): dense, activation, LayerNorm,
+  then the word embedding matrix (tied) plus a bias -> logits (B, S, V), kind
+  "masked-lm";
+* ``head="classifier"`` (BertForSequenceClassification): pooler tanh(dense(h[:, 0])),
+  then a linear layer -> logits (B, C), kind "classifier";
+* ``head="none"`` (BertModel, sentence-transformers): pooled sentence embeddings
+  (B, E), kind "embedding". Pooling follows the sentence-transformers pipeline when
+  the directory has one (``modules.json``), mean over real tokens otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headlab.attention import Mask, MultiHeadAttention
+from headlab.hookpoint import HookPoint, run_hook
+from headlab.models.base import (
+    FamilyConfig,
+    HeadModel,
+    ModelOutput,
+    WeightMap,
+    convert_state_dict,
+    load_into,
+)
+
+MODEL_TYPES = ("bert",)
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,  # exact (erf) GELU, as HF's "gelu"
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+HEADS = {"mlm": "masked-lm", "classifier": "classifier", "none": "embedding"}
+POOLINGS = ("mean", "cls", "max")
+# HF architecture -> headlab head
+_ARCHITECTURES = {
+    "BertModel": "none",
+    "BertForMaskedLM": "mlm",
+    "BertForPreTraining": "mlm",
+    "BertForSequenceClassification": "classifier",
+}
+
+
+@dataclass
+class BertConfig(FamilyConfig):
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0
+    num_labels: int = 2
+    labels: list[str] | None = None  # class names, index = class id (classifiers)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> BertConfig:
+        kind = hf.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ValueError(
+                f"BERT position_embedding_type {kind!r} is not supported; headlab "
+                "implements learned absolute positions only ('absolute')"
+            )
+        if hf.get("is_decoder") or hf.get("add_cross_attention"):
+            raise ValueError(
+                "BERT used as a decoder (is_decoder / add_cross_attention) is not "
+                "supported; headlab's BERT is a bidirectional encoder"
+            )
+        if hf.get("hidden_act", "gelu") not in _ACTIVATIONS:
+            raise ValueError(
+                f"BERT activation {hf['hidden_act']!r} is not supported; "
+                f"supported: {sorted(_ACTIVATIONS)}"
+            )
+        hidden, heads = hf.get("hidden_size", 768), hf.get("num_attention_heads", 12)
+        if hidden % heads:
+            raise ValueError(
+                f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})"
+            )
+        names = [f for f in cls.__dataclass_fields__ if f in hf and f != "labels"]
+        kwargs = {k: hf[k] for k in names}
+        # HF serialises num_labels only as id2label (keys are str in JSON, int in memory)
+        id2label = {int(k): v for k, v in (hf.get("id2label") or {}).items()}
+        if id2label:
+            kwargs["num_labels"] = len(id2label)
+            kwargs["labels"] = [id2label.get(i, f"LABEL_{i}") for i in range(len(id2label))]
+        return cls(**kwargs)
+
+
+class BertMLP(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class BertBlock(nn.Module):
+    """Post-norm: the LayerNorms come after each residual sum, not before the sublayer."""
+
+    def __init__(self, cfg: BertConfig, kv_index: list[int] | None) -> None:
+        super().__init__()
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        n_heads = cfg.num_attention_heads if kv_index is None else len(kv_index)
+        self.attn = MultiHeadAttention(
+            d_model=cfg.hidden_size, n_heads=n_heads, n_kv_heads=n_heads, head_dim=head_dim,
+            bias=True, kv_index=kv_index,
+        )
+        self.attn.n_original_heads = cfg.num_attention_heads
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = BertMLP(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.resid_pre = HookPoint()  # (B, S, E)
+        self.resid_mid = HookPoint()  # (B, S, E) after ln_1
+        self.resid_post = HookPoint()  # (B, S, E) after ln_2
+
+    def forward(self, x: torch.Tensor, mask: Mask) -> torch.Tensor:
+        x = run_hook(self.resid_pre, x)
+        x = self.ln_1(x + self.attn(x, mask=mask))
+        x = run_hook(self.resid_mid, x)
+        x = self.ln_2(x + self.mlp(x))
+        return run_hook(self.resid_post, x)
+
+
+class BertMLMHead(nn.Module):
+    """transform (dense, activation, LayerNorm), then the tied word embeddings + bias."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.act(self.dense(h)))
+        # the decoder is the embedding matrix itself: no second copy is stored or saved
+        return F.linear(h, word_embeddings, self.bias)  # (B, S, V)
+
+
+class Bert(HeadModel):
+    """BERT encoder with an MLM head, a sequence classifier, or pooled embeddings."""
+
+    family = "bert"
+    config_class = BertConfig
+
+    def __init__(
+        self,
+        config: BertConfig,
+        layout: list[list[int]] | None = None,
+        *,
+        head: str = "none",
+        pooling: str = "mean",
+        normalize: bool = False,
+    ) -> None:
+        """``layout``: each layer's kv_index list, for rebuilding a pruned model.
+        ``head``: "mlm", "classifier" or "none"; ``pooling`` ("mean", "cls", "max") and
+        ``normalize`` (L2) shape the embeddings of ``head="none"``."""
+        super().__init__(config)
+        if head not in HEADS:
+            raise ValueError(f"BERT head {head!r} is unknown; choose one of {sorted(HEADS)}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling {pooling!r} is unknown; choose one of {POOLINGS}")
+        self.head, self.pooling, self.normalize = head, pooling, normalize
+        self.kind = HEADS[head]
+        layout = layout or [None] * config.num_hidden_layers
+        if len(layout) != config.num_hidden_layers:
+            raise ValueError(
+                f"layout has {len(layout)} layers, config has {config.num_hidden_layers}"
+            )
+        E = config.hidden_size
+        self.wte = nn.Embedding(config.vocab_size, E)
+        self.wpe = nn.Embedding(config.max_position_embeddings, E)
+        self.wtt = nn.Embedding(config.type_vocab_size, E)
+        self.ln_emb = nn.LayerNorm(E, eps=config.layer_norm_eps)
+        self.blocks = nn.ModuleList(BertBlock(config, kv) for kv in layout)
+        if head == "mlm":
+            self.mlm = BertMLMHead(config)
+        elif head == "classifier":
+            self.pooler = nn.Linear(E, E)
+            self.classifier = nn.Linear(E, config.num_labels)
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    def extra_config(self) -> dict:
+        return {"head": self.head, "pooling": self.pooling, "normalize": self.normalize}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        token_type_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """input_ids (B, S); attention_mask (B, S) with 1 = real token; token_type_ids
+        (B, S) segment ids (default 0)."""
+        if cache is not None:
+            raise ValueError(
+                "BERT is a bidirectional encoder and keeps no key/value cache: "
+                "call it on the whole sequence with cache=None"
+            )
+        B, S = input_ids.shape
+        if self.max_positions < S:
+            raise ValueError(
+                f"sequence of {S} tokens exceeds this BERT's {self.max_positions} "
+                "positions; truncate the input (tokenizer(..., truncation=True))"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device)[None]  # (1, S)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.wte(input_ids) + self.wtt(token_type_ids) + self.wpe(position_ids)
+        x = self.ln_emb(x)  # (B, S, E)
+
+        # an all-ones mask changes nothing; dropping it keeps SDPA on its fastest kernel
+        padding = attention_mask
+        if padding is not None and bool(padding.all()):
+            padding = None
+        mask = Mask.build(
+            batch=B, q_len=S, k_len=S, device=x.device, causal=False, key_padding_mask=padding,
+        )
+        for block in self.blocks:
+            x = block(x, mask)
+
+        if self.head == "mlm":
+            return ModelOutput(last_hidden_state=x, logits=self.mlm(x, self.wte.weight))
+        if self.head == "classifier":
+            pooled = torch.tanh(self.pooler(x[:, 0]))  # (B, E)
+            return ModelOutput(last_hidden_state=x, logits=self.classifier(pooled))
+        return ModelOutput(last_hidden_state=x, embeddings=self.embed(x, attention_mask))
+
+    def embed(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Pool hidden states (B, S, E) over real tokens to (B, E), as
+        sentence-transformers' Pooling (then Normalize, when the pipeline has it) does."""
+        if attention_mask is None:
+            attention_mask = torch.ones(h.shape[:2], dtype=torch.long, device=h.device)
+        m = attention_mask.to(h.dtype)[..., None]  # (B, S, 1)
+        if self.pooling == "mean":
+            out = (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
+        elif self.pooling == "cls":
+            first = attention_mask.to(torch.int).argmax(dim=1)  # first real token
+            out = h[torch.arange(h.shape[0], device=h.device), first]
+        else:
+            out = h.masked_fill(m == 0, float("-inf")).amax(dim=1)
+        return F.normalize(out, p=2, dim=-1) if self.normalize else out
+
+
+# ---------------------------------------------------------------------- conversion
+_BACKBONE = WeightMap(
+    per_layer={
+        "encoder.layer.{}.attention.self.query.weight": "blocks.{}.attn.q_proj.weight",
+        "encoder.layer.{}.attention.self.query.bias": "blocks.{}.attn.q_proj.bias",
+        "encoder.layer.{}.attention.self.key.weight": "blocks.{}.attn.k_proj.weight",
+        "encoder.layer.{}.attention.self.key.bias": "blocks.{}.attn.k_proj.bias",
+        "encoder.layer.{}.attention.self.value.weight": "blocks.{}.attn.v_proj.weight",
+        "encoder.layer.{}.attention.self.value.bias": "blocks.{}.attn.v_proj.bias",
+        "encoder.layer.{}.attention.output.dense.weight": "blocks.{}.attn.o_proj.weight",
+        "encoder.layer.{}.attention.output.dense.bias": "blocks.{}.attn.o_proj.bias",
+        "encoder.layer.{}.attention.output.LayerNorm.weight": "blocks.{}.ln_1.weight",
+        "encoder.layer.{}.attention.output.LayerNorm.bias": "blocks.{}.ln_1.bias",
+        "encoder.layer.{}.intermediate.dense.weight": "blocks.{}.mlp.fc.weight",
+        "encoder.layer.{}.intermediate.dense.bias": "blocks.{}.mlp.fc.bias",
+        "encoder.layer.{}.output.dense.weight": "blocks.{}.mlp.proj.weight",
+        "encoder.layer.{}.output.dense.bias": "blocks.{}.mlp.proj.bias",
+        "encoder.layer.{}.output.LayerNorm.weight": "blocks.{}.ln_2.weight",
+        "encoder.layer.{}.output.LayerNorm.bias": "blocks.{}.ln_2.bias",
+    },
+    single={
+        "embeddings.word_embeddings.weight": "wte.weight",
+        "embeddings.position_embeddings.weight": "wpe.weight",
+        "embeddings.token_type_embeddings.weight": "wtt.weight",
+        "embeddings.LayerNorm.weight": "ln_emb.weight",
+        "embeddings.LayerNorm.bias": "ln_emb.bias",
+    },
+    # buffers some checkpoints carry (position ids, default token types)
+    ignore=(r"embeddings\.(position_ids|token_type_ids)$",),
+)
+_POOLER = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias"}
+# per head: the extra weights it needs, and the known checkpoint parts it does not use
+_HEAD_WEIGHTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "mlm": (
+        {
+            "^cls.predictions.transform.dense.weight": "mlm.dense.weight",
+            "^cls.predictions.transform.dense.bias": "mlm.dense.bias",
+            "^cls.predictions.transform.LayerNorm.weight": "mlm.ln.weight",
+            "^cls.predictions.transform.LayerNorm.bias": "mlm.ln.bias",
+            "^cls.predictions.bias": "mlm.bias",
+        },
+        # decoder.weight/bias are copies of the word embeddings / predictions.bias in the
+        # checkpoints that store them; pooler and NSP come with BertForPreTraining
+        (r"^cls\.predictions\.decoder\.(weight|bias)$", r"^(bert\.)?pooler\.dense\.",
+         r"^cls\.seq_relationship\."),
+    ),
+    "classifier": (
+        {**_POOLER, "^classifier.weight": "classifier.weight",
+         "^classifier.bias": "classifier.bias"},
+        (),
+    ),
+    "none": ({}, (r"^(bert\.)?pooler\.dense\.",)),
+}
+
+
+def weight_map(head: str) -> WeightMap:
+    """The backbone mapping plus one head's weights and ignored keys."""
+    single, ignore = _HEAD_WEIGHTS[head]
+    return WeightMap(
+        per_layer=_BACKBONE.per_layer,
+        single={**_BACKBONE.single, **single},
+        ignore=_BACKBONE.ignore + ignore,
+    )
+
+
+def _head_of(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> str:
+    """The head, from the config's architectures, else from which keys are present."""
+    archs = hf_config.get("architectures") or []
+    unknown = [a for a in archs if a not in _ARCHITECTURES]
+    if unknown:
+        raise ValueError(
+            f"BERT architecture {unknown[0]!r} is not supported; supported: "
+            f"{sorted(_ARCHITECTURES)} (a BertModel checkpoint loads as an encoder)"
+        )
+    if archs:
+        return _ARCHITECTURES[archs[0]]
+    if any(k.startswith("classifier.") for k in hf_state):
+        return "classifier"
+    if any(k.startswith("cls.predictions.") for k in hf_state):
+        return "mlm"
+    return "none"
+
+
+def _rename_legacy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Original TF-converted checkpoints name LayerNorm parameters gamma/beta."""
+    def fix(k: str) -> str:
+        return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight",
+                      re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k))
+    return {fix(k): v for k, v in state.items()}
+
+
+def sentence_transformers_pooling(path: str | Path | None) -> tuple[str, bool] | None:
+    """(pooling, normalize) of a sentence-transformers directory, None if it is not one.
+
+    Reads ``modules.json`` and the Pooling module's ``config.json`` (both the legacy
+    ``pooling_mode_*`` flags and the newer ``pooling_mode`` key)."""
+    if path is None or not (Path(path) / "modules.json").is_file():
+        return None
+    path = Path(path)
+    modules = json.loads((path / "modules.json").read_text())
+    pooling, normalize = "mean", False
+    for m in modules:
+        kind = m.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            cfg_file = path / m.get("path", "") / "config.json"
+            cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+            pooling = _pooling_mode(cfg, cfg_file)
+        else:
+            raise ValueError(
+                f"{path}: sentence-transformers module {m.get('type')!r} is not supported; "
+                "headlab reproduces Transformer -> Pooling -> Normalize pipelines only"
+            )
+    return pooling, normalize
+
+
+def _pooling_mode(cfg: dict, where: Path) -> str:
+    legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+              "pooling_mode_mean_tokens": "mean",
+              "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+              "pooling_mode_weightedmean_tokens": "weightedmean",
+              "pooling_mode_lasttoken": "lasttoken"}
+    modes = cfg.get("pooling_mode")
+    if modes is None:
+        modes = [mode for key, mode in legacy.items() if cfg.get(key)] or ["mean"]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in POOLINGS:
+        raise ValueError(
+            f"{where}: pooling {modes} is not supported; headlab pools with exactly one "
+            f"of {POOLINGS}"
+        )
+    return modes[0]
+
+
+def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) -> Bert:
+    """Build a Bert from an HF config dict and state dict (BertModel, BertForMaskedLM,
+    BertForPreTraining, BertForSequenceClassification); ``path``, the checkpoint
+    directory, tells whether it is a sentence-transformers model and how it pools."""
+    cfg = BertConfig.from_hf(hf_config)
+    hf_state = _rename_legacy(hf_state)
+    head = _head_of(hf_config, hf_state)
+    if head == "mlm" and hf_config.get("tie_word_embeddings", True) is False:
+        raise ValueError(
+            "BERT masked-LM checkpoints with tie_word_embeddings=false are not supported: "
+            "headlab's MLM decoder is the word embedding matrix"
+        )
+    st = sentence_transformers_pooling(path) if head == "none" else None
+    pooling, normalize = st or ("mean", False)
+    model = Bert(cfg, head=head, pooling=pooling, normalize=normalize)
+    state = convert_state_dict(
+        hf_state, weight_map(head), cfg.num_hidden_layers, prefixes=("bert.", "")
+    )
+    load_into(model, state, what="BERT checkpoint")
+    return model
+
+
+MODEL_CLASS = Bert
