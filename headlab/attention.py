@@ -287,7 +287,7 @@ class MultiHeadAttention(nn.Module):
         self.register_buffer("head_gate", torch.ones(n_heads), persistent=True)
         # heads before any pruning; models rebuilt from a pruned checkpoint set it
         self.n_original_heads = n_heads
-        # A tensor set here (shape (H,) or (B, H)) replaces head_gate for the next
+        # A tensor set here ((H,), (B, H) or (B, S, H)) replaces head_gate for the next
         # forwards; importance scoring sets one that requires grad.
         self.gate_override: torch.Tensor | None = None
         # (gate tensor, its version, all ones?): holding the tensor itself, not its id,
@@ -397,7 +397,13 @@ class MultiHeadAttention(nn.Module):
         gate = self._gate()
         if gate is not None:
             g = gate.to(z.dtype)
-            z = z * (g[None, :, None, None] if g.dim() == 1 else g[:, :, None, None])
+            if g.dim() == 1:  # (H,)
+                g = g[None, :, None, None]
+            elif g.dim() == 2:  # (B, H): one gate per example
+                g = g[:, :, None, None]
+            else:  # (B, S, H): one gate per example and position
+                g = g.transpose(1, 2)[..., None]
+            z = z * g
 
         z = z.transpose(1, 2)  # (B, S, H, D)
         if self.z._forward_hooks:

@@ -234,7 +234,11 @@ def _tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         log.warning("no tokenizer at %s (%s); model.tokenizer is None", path, exc)
         return None
+    if len(tok) < 2:  # transformers builds an empty one when the files are missing
+        log.warning("no tokenizer files at %s; model.tokenizer is None", path)
+        return None
+    return tok

@@ -1,0 +1,280 @@
+"""Text and datasets -> token blocks, split into a scoring part and a held-out part.
+
+``--data`` accepts:
+    nothing                         the bundled English text (small: a warning says so)
+    path.txt                        paragraphs separated by blank lines
+    path.jsonl / .csv / .tsv        rows; the text column(s) and label column inferred
+    name:config:split               a Hugging Face dataset, e.g. wikitext:wikitext-2-raw-v1:test
+Language models read the text as one stream cut into fixed-length blocks; classifiers
+and sentence encoders read one example (or sentence pair) per row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BUNDLED_SPEC = "bundled:english"
+_TEXT_COLUMNS = ("text", "sentence", "content", "document", "review", "question")
+_PAIR_COLUMNS = (("premise", "hypothesis"), ("sentence1", "sentence2"),
+                 ("question", "sentence"), ("question1", "question2"))
+_LABEL_COLUMNS = ("label", "labels", "gold_label")
+
+
+class DataError(ValueError):
+    """The data cannot be used; the message says what was wrong and what to do."""
+
+
+@dataclass
+class TextData:
+    """Examples read from a source: single texts or sentence pairs, optional labels."""
+
+    texts: list[str]
+    pairs: list[str] | None = None  # second sentence of each pair, aligned with texts
+    labels: list[int] | None = None
+    spec: str = BUNDLED_SPEC
+    warning: str | None = None
+
+
+@dataclass
+class Blocks:
+    """Token blocks ready for a model: input_ids and attention_mask (N, S).
+
+    ``labels`` is (N,) class labels for classifiers or (N, S) token labels (-100 =
+    ignored) for masked-LM; ``extras`` holds other per-row tensors (N, ...) such as the
+    reference embeddings that fidelity is measured against.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor | None = None
+    spec: str = BUNDLED_SPEC
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def subset(self, index: torch.Tensor | list[int]) -> Blocks:
+        index = torch.as_tensor(index, dtype=torch.long)
+        return Blocks(self.input_ids[index], self.attention_mask[index],
+                      None if self.labels is None else self.labels[index], self.spec,
+                      {k: v[index] for k, v in self.extras.items()})
+
+    def batches(self, batch_size: int):
+        """Yield dicts (input_ids, attention_mask, labels, extras) of at most batch_size rows."""
+        for start in range(0, len(self), batch_size):
+            rows = slice(start, start + batch_size)
+            batch = {"input_ids": self.input_ids[rows], "attention_mask": self.attention_mask[rows]}
+            if self.labels is not None:
+                batch["labels"] = self.labels[rows]
+            batch.update({k: v[rows] for k, v in self.extras.items()})
+            yield batch
+
+    def n_batches(self, batch_size: int) -> int:
+        return -(-len(self) // batch_size)
+
+
+def bundled_text() -> str:
+    return resources.files("headlab.resources").joinpath("english.txt").read_text("utf-8")
+
+
+def load_texts(
+    spec: str | None = None, *, text_column: str | None = None, label_column: str | None = None
+) -> TextData:
+    """Read examples from ``spec`` (see the module docstring)."""
+    if spec is None or spec == BUNDLED_SPEC:
+        paragraphs = _paragraphs(bundled_text())
+        return TextData(
+            paragraphs, spec=BUNDLED_SPEC,
+            warning=("no --data given: using headlab's bundled English text (~15k words), "
+                     "too small for publishable numbers; name a dataset, e.g. "
+                     "--data wikitext:wikitext-2-raw-v1:test"),
+        )
+    path = Path(spec)
+    suffix = path.suffix.lower()
+    if suffix in (".txt", ".jsonl", ".json", ".csv", ".tsv"):
+        if not path.is_file():
+            raise DataError(f"data file {spec} does not exist")
+        if path.stat().st_size == 0:
+            raise DataError(f"data file {spec} is empty")
+        if suffix == ".txt":
+            texts = _paragraphs(path.read_text("utf-8", errors="replace"))
+            if not texts:
+                raise DataError(f"data file {spec} holds no text")
+            return TextData(texts, spec=str(spec))
+        return _from_rows(_local_rows(path), str(spec), text_column, label_column)
+    if spec.count(":") >= 1 and not path.exists():
+        return _from_rows(_hub_rows(spec), spec, text_column, label_column)
+    raise DataError(
+        f"cannot read data {spec!r}: give a .txt/.jsonl/.csv/.tsv file, a Hugging Face "
+        "dataset as name:config:split (e.g. wikitext:wikitext-2-raw-v1:test), or nothing "
+        "for the bundled text"
+    )
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def _local_rows(path: Path):
+    import datasets
+
+    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv"}[path.suffix.lower()]
+    kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+    try:
+        return datasets.load_dataset(kind, data_files=str(path), split="train", **kwargs)
+    except Exception as exc:
+        raise DataError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def _hub_rows(spec: str):
+    import datasets
+
+    parts = spec.split(":")
+    name, config, split = parts[0], (parts[1] or None) if len(parts) > 1 else None, (
+        parts[2] if len(parts) > 2 else "test")
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as exc:
+        raise DataError(
+            f"could not load dataset {spec!r} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}). Without network use a local "
+            ".txt/.jsonl/.csv file or omit --data for the bundled text"
+        ) from exc
+
+
+def _from_rows(rows, spec: str, text_column: str | None, label_column: str | None) -> TextData:
+    columns = list(rows.column_names)
+    pair = None
+    if text_column:
+        if text_column not in columns:
+            raise DataError(f"{spec}: no column {text_column!r}; columns: {columns}")
+        first = text_column
+    else:
+        pair = next((p for p in _PAIR_COLUMNS if p[0] in columns and p[1] in columns), None)
+        first = pair[0] if pair else next((c for c in _TEXT_COLUMNS if c in columns), None)
+        if first is None:
+            raise DataError(
+                f"{spec}: no text column found among {columns}; name it with --text-column"
+            )
+    label = label_column or next((c for c in _LABEL_COLUMNS if c in columns), None)
+    if label_column and label_column not in columns:
+        raise DataError(f"{spec}: no label column {label_column!r}; columns: {columns}")
+    texts, seconds, labels = [], [], []
+    for row in rows:
+        text = row[first]
+        if not isinstance(text, str) or not text.strip():
+            continue
+        texts.append(text)
+        if pair:
+            seconds.append(str(row[pair[1]]))
+        if label:
+            labels.append(int(row[label]))
+    if not texts:
+        raise DataError(f"{spec}: every row of column {first!r} is empty")
+    return TextData(texts, pairs=seconds or None,
+                    labels=labels if label and labels else None, spec=spec)
+
+
+def make_blocks(
+    data: TextData,
+    tokenizer,
+    *,
+    kind: str,
+    seq_len: int,
+    max_tokens: int | None = None,
+) -> Blocks:
+    """Tokenise ``data`` for a model of ``kind`` into at most ``max_tokens`` tokens.
+
+    causal-lm: one stream of texts joined by EOS, cut into full blocks of seq_len.
+    masked-lm: the same stream cut into blocks wrapped in [CLS] ... [SEP].
+    classifier / embedding: one (padded, truncated) row per example or pair.
+    """
+    if seq_len < 4:
+        raise DataError(f"seq_len must be >= 4, got {seq_len}")
+    if kind in ("causal-lm", "masked-lm"):
+        return _stream_blocks(data, tokenizer, kind=kind, seq_len=seq_len, max_tokens=max_tokens)
+    return _row_blocks(data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+
+
+def _stream_blocks(data: TextData, tokenizer, *, kind: str, seq_len: int, max_tokens) -> Blocks:
+    sep_id = tokenizer.eos_token_id if kind == "causal-lm" else tokenizer.sep_token_id
+    body = seq_len if kind == "causal-lm" else seq_len - 2
+    budget = max_tokens if max_tokens is not None else None
+    stream: list[int] = []
+    texts = data.texts if data.pairs is None else [
+        f"{a} {b}" for a, b in zip(data.texts, data.pairs, strict=True)]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            continue
+        stream.extend(ids)
+        if sep_id is not None:
+            stream.append(sep_id)
+        if budget is not None and len(stream) >= budget + body:
+            break
+    n_blocks = len(stream) // body
+    if budget is not None:
+        n_blocks = min(n_blocks, max(1, budget // seq_len))
+    if n_blocks == 0:
+        raise DataError(
+            f"{data.spec}: {len(stream)} tokens do not fill one block of {seq_len}; "
+            "give more text or a smaller --seq-len"
+        )
+    ids = torch.tensor(stream[: n_blocks * body], dtype=torch.long).view(n_blocks, body)
+    if kind == "masked-lm":
+        cls = torch.full((n_blocks, 1), tokenizer.cls_token_id, dtype=torch.long)
+        sep = torch.full((n_blocks, 1), tokenizer.sep_token_id, dtype=torch.long)
+        ids = torch.cat([cls, ids, sep], dim=1)
+    return Blocks(ids, torch.ones_like(ids), None, data.spec)
+
+
+def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Blocks:
+    rows, total, n_truncated = [], 0, 0
+    for i, text in enumerate(data.texts):
+        second = data.pairs[i] if data.pairs is not None else None
+        full = tokenizer(text, second, add_special_tokens=True)["input_ids"]
+        enc = tokenizer(text, second, truncation=True, max_length=seq_len)["input_ids"]
+        n_truncated += len(full) > len(enc)
+        rows.append((i, enc))
+        total += len(enc)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    if n_truncated:
+        log.warning("%d of %d examples were longer than %d tokens and were truncated",
+                    n_truncated, len(rows), seq_len)
+    width = max(len(r) for _, r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (_, enc) in enumerate(rows):
+        ids[row, : len(enc)] = torch.tensor(enc)
+        mask[row, : len(enc)] = 1
+    labels = None
+    if data.labels is not None:
+        labels = torch.tensor([data.labels[i] for i, _ in rows], dtype=torch.long)
+    return Blocks(ids, mask, labels, data.spec)
+
+
+def split_blocks(blocks: Blocks, *, heldout: float = 0.5, seed: int = 0) -> tuple[Blocks, Blocks]:
+    """Seeded, disjoint split into (scoring, held-out); quality is reported on held-out."""
+    if len(blocks) < 2:
+        raise DataError(
+            f"{blocks.spec}: {len(blocks)} block(s) cannot be split into scoring and held-out "
+            "parts; give more data (--max-tokens) or a shorter --seq-len"
+        )
+    if not 0 < heldout < 1:
+        raise DataError(f"held-out fraction must be in (0, 1), got {heldout}")
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
+    n_held = min(len(blocks) - 1, max(1, round(len(blocks) * heldout)))
+    return blocks.subset(order[n_held:].sort().values), blocks.subset(order[:n_held].sort().values)

@@ -1,0 +1,429 @@
+"""A run: one configuration, one directory, one results.json.
+
+`RunConfig` is what a user sets (CLI flags or a TOML recipe); `run` carries it out
+through the public API (load, data, score, select, prune, evaluate) and writes the run
+directory: config.json (to repeat it exactly), results.json, importance.csv,
+report.html, model/ and status.json (running / interrupted / complete).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headlab import __version__
+from headlab._io import atomic_write_json
+from headlab.data import load_texts, make_blocks, split_blocks
+from headlab.evaluate import evaluate, prepare
+from headlab.importance import METHODS, score
+from headlab.models.base import HeadModel
+from headlab.models.loading import load
+from headlab.pruning import export_hf, hf_expressible, prune, prune_to_target
+
+log = logging.getLogger("headlab")
+
+COMMANDS = ("prune", "score", "eval")
+
+
+class UserError(ValueError):
+    """Bad input from the user: one line saying what was wrong and what to do."""
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; recipes and CLI flags set these keys."""
+
+    model: str
+    command: str = "prune"
+    method: str = "michel"
+    compare: list[str] = field(default_factory=list)  # more methods, one curve each
+    keep: float | None = None
+    prune: int | None = None
+    schedule: str = "iterative"
+    step: float = 0.1
+    per_layer: bool = False
+    min_heads_per_layer: int = 0
+    data: str | None = None
+    text_column: str | None = None
+    label_column: str | None = None
+    max_tokens: int = 16384
+    seq_len: int | None = None
+    batch_size: int = 8
+    heldout: float = 0.5
+    seed: int = 0
+    normalize: bool = True
+    per_token: bool = False
+    device: str = "auto"
+    dtype: str = "float32"
+    out: str | None = None
+    overwrite: bool = False
+    export: str | None = None
+    sample_tokens: int = 64
+    latency_batch: int = 8
+    latency_seq_len: int = 128
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
+        if "model" not in d:
+            raise UserError("a run needs a model (model = \"smollm2-135m\", or --model)")
+        return cls(**d).validated()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validated(self) -> RunConfig:
+        """Check types and ranges; raise UserError naming the key."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            expected = {"int": int, "float": (int, float), "bool": bool, "str": str}
+            base = str(f.type).split(" | ")[0]
+            if v is not None and base in expected and not isinstance(v, expected[base]):
+                raise UserError(f"{f.name} must be {base}, got {v!r}")
+            if base in ("int", "float") and isinstance(v, bool):
+                raise UserError(f"{f.name} must be {base}, got {v!r}")
+        if self.command not in COMMANDS:
+            raise UserError(f"command must be one of {COMMANDS}, got {self.command!r}")
+        for m in [self.method, *self.compare]:
+            if m not in METHODS:
+                raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if self.keep is not None and not (0 < self.keep <= 1):
+            raise UserError(f"--keep must be in (0, 1], got {self.keep}")
+        if self.keep is not None and self.prune is not None:
+            raise UserError("give --keep or --prune, not both")
+        if self.prune is not None and self.prune < 1:
+            raise UserError(f"--prune must be at least 1 head, got {self.prune}")
+        if self.command == "prune" and self.keep is None and self.prune is None:
+            raise UserError("prune needs a target: --keep FRACTION (e.g. 0.6) or --prune N")
+        if self.schedule not in ("iterative", "one-shot"):
+            raise UserError(f"--schedule must be iterative or one-shot, got {self.schedule!r}")
+        if not 0 < self.step <= 1:
+            raise UserError(f"--step must be in (0, 1], got {self.step}")
+        if self.batch_size < 1 or self.max_tokens < 1 or self.min_heads_per_layer < 0:
+            raise UserError("--batch-size and --max-tokens must be >= 1, "
+                            "--min-heads-per-layer >= 0")
+        if self.seq_len is not None and self.seq_len < 4:
+            raise UserError(f"--seq-len must be >= 4, got {self.seq_len}")
+        if self.dtype not in _DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for but no CUDA GPU is available; "
+                            "use --device cpu (or auto)")
+        if self.export not in (None, "hf"):
+            raise UserError(f"--export must be 'hf', got {self.export!r}")
+        if not 0 < self.heldout < 1:
+            raise UserError(f"heldout must be in (0, 1), got {self.heldout}")
+        return self
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def default_out(cfg: RunConfig) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = Path(cfg.model).name if Path(cfg.model).exists() else cfg.model.replace("/", "_")
+    keep = f"keep{cfg.keep:g}" if cfg.keep is not None else (
+        f"prune{cfg.prune}" if cfg.prune is not None else cfg.command)
+    return Path("reports") / f"{name}-{cfg.method}-{keep}-{stamp}"
+
+
+def set_status(out: Path, status: str, **extra: Any) -> None:
+    atomic_write_json(out / "status.json", {"status": status, "time": _now(), **extra})
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def load_model(cfg: RunConfig) -> HeadModel:
+    from headlab.models.loading import ModelNotFoundError
+
+    try:
+        return load(cfg.model, device=resolve_device(cfg.device), dtype=_DTYPES[cfg.dtype])
+    except ModelNotFoundError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def build_data(cfg: RunConfig, model: HeadModel):
+    """Token blocks split into (scoring, held-out), prepared on the unpruned model."""
+    from headlab.data import DataError
+
+    if model.tokenizer is None:
+        raise UserError(f"{cfg.model} has no tokenizer files; headlab needs one to read text")
+    limit = model.max_positions
+    default = 256 if model.kind in ("causal-lm", "masked-lm") else 128
+    seq_len = cfg.seq_len or min(default, limit)
+    if seq_len > limit:
+        log.warning("--seq-len %d exceeds the model's %d positions; truncating to %d",
+                    seq_len, limit, limit)
+        seq_len = limit
+    try:
+        texts = load_texts(cfg.data, text_column=cfg.text_column, label_column=cfg.label_column)
+        if texts.warning:
+            log.warning(texts.warning)
+        blocks = make_blocks(texts, model.tokenizer, kind=model.kind, seq_len=seq_len,
+                             max_tokens=cfg.max_tokens)
+        scoring, heldout = split_blocks(blocks, heldout=cfg.heldout, seed=cfg.seed)
+    except DataError as exc:
+        raise UserError(str(exc)) from exc
+    scoring = prepare(model, scoring, batch_size=cfg.batch_size, seed=cfg.seed)
+    heldout = prepare(model, heldout, batch_size=cfg.batch_size, seed=cfg.seed + 1)
+    return scoring, heldout, seq_len
+
+
+@torch.inference_mode()
+def measure_latency(model: HeadModel, batch: int, seq_len: int, repeats: int = 7) -> float:
+    """Median forward time (ms) on random tokens of (batch, seq_len), after warm-up."""
+    seq_len = min(seq_len, model.max_positions)
+    vocab = model.tokenizer.vocab_size if model.tokenizer is not None else 100
+    ids = torch.randint(0, max(2, min(vocab, 1000)), (batch, seq_len),
+                        generator=torch.Generator().manual_seed(0)).to(model.device)
+    for _ in range(2):  # warm-up: first calls pay for allocation and kernel selection
+        model(ids)
+    times = []
+    for _ in range(repeats):
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(ids)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def head_analysis(model: HeadModel, heldout, cfg: RunConfig) -> dict[str, Any]:
+    """The sample's attention (8-bit), per-head statistics and clusters, on the
+    unpruned model, for the report."""
+    from headlab.analysis import HeadStatsAccumulator, TokenRoles, cluster_heads
+    from headlab.hooks import capture
+    from headlab.report import encode_attention
+
+    tok = model.tokenizer
+    n = min(cfg.sample_tokens, heldout.input_ids.shape[1])
+    ids = heldout.input_ids[:1, :n]
+    valid = heldout.attention_mask[:1, :n]
+    n = int(valid.sum())
+    ids, valid = ids[:, :n], valid[:, :n]
+    with capture(model, "pattern") as cap:
+        model(ids.to(model.device), attention_mask=valid.to(model.device))
+    pats = [p[0].float().cpu() for p in cap.stack("pattern")]  # (H, S, S) per layer
+    tokens = tok.convert_ids_to_tokens(ids[0].tolist())
+    sample = {"text": tok.decode(ids[0].tolist()), "tokens": [_pretty(t) for t in tokens],
+              "attention": encode_attention(torch.stack(pats).numpy())}
+
+    acc = HeadStatsAccumulator(model.n_layers)
+    rows = min(len(heldout), 4)
+    width = min(heldout.input_ids.shape[1], 128)
+    for start in range(rows):
+        bids = heldout.input_ids[start : start + 1, :width]
+        bmask = heldout.attention_mask[start : start + 1, :width]
+        with capture(model, "pattern") as cap:
+            model(bids.to(model.device), attention_mask=bmask.to(model.device))
+        toks = [tok.convert_ids_to_tokens(bids[0].tolist())]
+        roles = TokenRoles.from_tokens(toks, cls_token=tok.cls_token, sep_token=tok.sep_token,
+                                       valid=bmask.bool())
+        acc.update([p.float().cpu() for p in cap.stack("pattern")], roles,
+                   head_ids=model.head_ids())
+    stats = acc.result()
+    clusters = None
+    try:
+        clusters = cluster_heads(stats, seed=cfg.seed).to_json()
+    except ValueError as exc:
+        log.warning("head clustering skipped: %s", exc)
+    return {"sample": sample, "statistics": stats.to_records(), "clusters": clusters}
+
+
+def _pretty(token: str) -> str:
+    return token.replace("Ġ", " ").replace("▁", " ").replace("Ċ", "\\n")
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {"headlab": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def run(cfg: RunConfig) -> tuple[Path, dict[str, Any]]:
+    """Carry out a prune or score run; return its directory and results.
+
+    The model and data are loaded before the run directory is created, so bad input
+    leaves nothing behind; from then on status.json says running / interrupted /
+    failed / complete.
+    """
+    cfg = cfg.validated()
+    out = Path(cfg.out) if cfg.out else default_out(cfg)
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+        raise UserError(f"run directory {out} already exists; pass --overwrite or another --out")
+    model = load_model(cfg)
+    scoring, heldout, seq_len = build_data(cfg, model)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "config.json", cfg.to_dict())
+    set_status(out, "running")
+    stage = _prune if cfg.command == "prune" else _score_only
+    try:
+        results = stage(cfg, out, model, scoring, heldout, seq_len)
+    except KeyboardInterrupt:
+        set_status(out, "interrupted")
+        raise
+    except BaseException as exc:
+        set_status(out, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    set_status(out, "complete")
+    return out, results
+
+
+def _base_results(cfg: RunConfig, model: HeadModel, scoring, heldout, seq_len) -> dict:
+    return {
+        "model": cfg.model, "family": model.family, "kind": model.kind,
+        "method": cfg.method, "schedule": cfg.schedule if cfg.command == "prune" else None,
+        "keep": cfg.keep,
+        "data": {"spec": scoring.spec, "scoring_tokens": scoring.n_tokens,
+                 "heldout_tokens": heldout.n_tokens, "seq_len": seq_len,
+                 "warning": "bundled text: small" if scoring.spec.startswith("bundled") else None},
+        "heads_total": model.n_layers * model.n_original_heads,
+        "config": cfg.to_dict(), "created": _now(), "versions": _versions(),
+    }
+
+
+def _finish(out: Path, results: dict, scores) -> None:
+    from headlab.report import build_report
+
+    scores.save_csv(out / "importance.csv")
+    results["files"] = {"results": "results.json", "importance_csv": "importance.csv",
+                        "config": "config.json"}
+    if (out / "model").exists():
+        results["files"]["model"] = "model/"
+    results["status"] = "complete"
+    atomic_write_json(out / "results.json", _json_safe(results))
+    build_report(results, out / "report.html")
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _score_only(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len) -> dict:
+    scores = score(model, scoring, method=cfg.method, batch_size=cfg.batch_size,
+                   normalize=cfg.normalize, per_token=cfg.per_token, seed=cfg.seed)
+    q = evaluate(model, heldout, batch_size=cfg.batch_size)
+    results = _base_results(cfg, model, scoring, heldout, seq_len)
+    results.update({
+        "heads_kept": None, "kept_heads": None, "importance": scores.scores,
+        "importance_normalisation": scores.normalisation,
+        "heads_per_layer": {"before": model.heads_per_layer, "after": None},
+        "kv_heads_per_layer": {"before": model.kv_heads_per_layer, "after": None},
+        "quality": {"metric": q.metric, "higher_is_better": q.higher_is_better,
+                    "before": q.value, "after": None, "loss_before": q.loss, "loss_after": None},
+        "curve": [], "params": {"before": model.num_parameters(), "after": None},
+        "latency_ms": None, "kv_cache_bytes_per_token": {
+            "before": model.kv_cache_bytes_per_token(), "after": None},
+    })
+    results.update(head_analysis(model, heldout, cfg))
+    _finish(out, results, scores)
+    return results
+
+
+def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len) -> dict:
+    results = _base_results(cfg, model, scoring, heldout, seq_len)
+    lat_b, lat_s = cfg.latency_batch, min(cfg.latency_seq_len, seq_len)
+    before = {
+        "params": model.num_parameters(), "heads": model.heads_per_layer,
+        "kv": model.kv_heads_per_layer, "kv_bytes": model.kv_cache_bytes_per_token(),
+        "latency": measure_latency(model, lat_b, lat_s),
+    }
+    log.info("analysing heads on a held-out sample")
+    analysis = head_analysis(model, heldout, cfg)
+
+    kw = {"normalize": cfg.normalize, "per_token": cfg.per_token}
+    curves: dict[str, list[dict]] = {}
+    for method in [m for m in cfg.compare if m != cfg.method]:
+        log.info("comparison curve: %s", method)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        res = prune_to_target(model, scoring, heldout, method=method, keep=cfg.keep,
+                              prune=cfg.prune, schedule=cfg.schedule, step=cfg.step,
+                              per_layer=cfg.per_layer,
+                              min_heads_per_layer=cfg.min_heads_per_layer,
+                              batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw)
+        curves[method] = res.curve
+        model.load_state_dict(state)  # gates back to 1 for the next method
+
+    log.info("scoring and pruning with %s (%s)", cfg.method, cfg.schedule)
+    res = prune_to_target(model, scoring, heldout, method=cfg.method, keep=cfg.keep,
+                          prune=cfg.prune, schedule=cfg.schedule, step=cfg.step,
+                          per_layer=cfg.per_layer, min_heads_per_layer=cfg.min_heads_per_layer,
+                          batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw,
+                          on_step=lambda p: log.info(
+                              "  %.0f%% pruned: %s %.4g", 100 * p["fraction_pruned"],
+                              "quality", p["quality"]))
+    curves[cfg.method] = res.curve
+    q_before = res.curve[0]
+    prune(model, res.plan)
+    q_after = evaluate(model, heldout, batch_size=cfg.batch_size)
+    after = {
+        "params": model.num_parameters(), "heads": model.heads_per_layer,
+        "kv": model.kv_heads_per_layer, "kv_bytes": model.kv_cache_bytes_per_token(),
+        "latency": measure_latency(model, lat_b, lat_s),
+    }
+    model.save(out / "model")
+    export_note = None
+    if cfg.export == "hf":
+        reason = hf_expressible(model)
+        if reason is None:
+            export_hf(model, out / "model-hf")
+        else:
+            export_note = f"not exported to HF format: {reason}; the headlab format is in model/"
+            log.warning(export_note)
+
+    from headlab.evaluate import METRICS
+
+    metric, higher = METRICS[model.kind]
+    results.update({
+        "heads_kept": res.plan.n_kept,
+        "kept_heads": {str(k): v for k, v in res.plan.kept.items()},
+        "importance": res.scores.scores,
+        "importance_normalisation": res.scores.normalisation,
+        "heads_per_layer": {"before": before["heads"], "after": after["heads"]},
+        "kv_heads_per_layer": {"before": before["kv"], "after": after["kv"]},
+        "quality": {"metric": metric, "higher_is_better": higher,
+                    "before": q_before["quality"], "after": q_after.value,
+                    "loss_before": q_before["loss"], "loss_after": q_after.loss},
+        "curve": res.curve,
+        "curves": curves,
+        "params": {"before": before["params"], "after": after["params"]},
+        "latency_ms": {"before": before["latency"], "after": after["latency"],
+                       "batch": lat_b, "seq_len": lat_s},
+        "kv_cache_bytes_per_token": {"before": before["kv_bytes"], "after": after["kv_bytes"]},
+        "export": export_note or ("model-hf/" if cfg.export == "hf" else None),
+    })
+    results.update(analysis)
+    _finish(out, results, res.scores)
+    return results
