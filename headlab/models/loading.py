@@ -205,9 +205,12 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         try:
             state.update(torch.load(f, map_location="cpu", weights_only=True))
         except Exception as exc:
+            detail = next((line.strip() for line in str(exc).splitlines()
+                           if "WeightsUnpickler error" in line), type(exc).__name__)
             raise ValueError(
-                f"refused to load {f}: it is not a plain tensor file ({exc}). headlab only "
-                "unpickles with weights_only=True; convert the checkpoint to safetensors"
+                f"refused to load {f}: it holds Python objects beyond plain tensors, and "
+                f"unpickling them could run code ({detail}); headlab only unpickles with "
+                "weights_only=True: convert the checkpoint to safetensors"
             ) from exc
     return state
 
