@@ -17,6 +17,8 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -215,9 +217,28 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def gguf_cache_dir(path: Path) -> Path:
+    """Where the float32 conversion of a GGUF file is kept (HEADLAB_CACHE or ~/.cache).
+
+    The key holds the file's name, size and modification time, so a changed file is
+    converted again."""
+    root = Path(os.environ.get("HEADLAB_CACHE", Path.home() / ".cache" / "headlab"))
+    st = path.stat()
+    return root / "gguf" / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
 def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
-    """Dequantise a GGUF file through transformers and convert it to headlab."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Dequantise a GGUF file through transformers and convert it to headlab.
+
+    Dequantising and rebuilding the tokenizer from GGUF metadata takes most of a
+    minute; the converted model is saved in headlab's format under `gguf_cache_dir`
+    and later loads read that instead.
+    """
+    cached = gguf_cache_dir(path)
+    if cached.is_dir():
+        return _load_dir(cached, with_tokenizer)
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     hf = AutoModelForCausalLM.from_pretrained(
@@ -226,10 +247,17 @@ def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     model = _family(hf_config.model_type).from_hf(hf_config.to_dict(), state, path=None)
     del hf
-    if with_tokenizer:
-        from transformers import AutoTokenizer
-
-        model.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # saved beside, then renamed: a killed conversion never leaves a half cache
+    staging = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    try:
+        model.save(staging)
+        os.replace(staging, cached)
+    except OSError as exc:  # a read-only home, or another process won the race
+        log.warning("could not cache the converted GGUF at %s (%s)", cached, exc)
+        shutil.rmtree(staging, ignore_errors=True)
+    if not with_tokenizer:
+        model.tokenizer = None
     return model
 
 
