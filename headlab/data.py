@@ -179,11 +179,23 @@ def _from_rows(rows, spec: str, text_column: str | None, label_column: str | Non
         if pair:
             seconds.append(str(row[pair[1]]))
         if label:
-            labels.append(int(row[label]))
+            labels.append(_class_id(row[label], label, spec))
     if not texts:
         raise DataError(f"{spec}: every row of column {first!r} is empty")
     return TextData(texts, pairs=seconds or None,
                     labels=labels if label and labels else None, spec=spec)
+
+
+def _class_id(value, column: str, spec: str) -> int:
+    """A label as an integer class id; anything else is a DataError naming the value."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise DataError(
+            f"{spec}: label column {column!r} holds {value!r}; labels must be integer class "
+            "ids (0, 1, ...) in the model's label order: convert them, or name another "
+            "column with --label-column"
+        ) from None
 
 
 def make_blocks(
@@ -243,13 +255,14 @@ def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Block
     rows, total, n_truncated = [], 0, 0
     for i, text in enumerate(data.texts):
         second = data.pairs[i] if data.pairs is not None else None
-        full = tokenizer(text, second, add_special_tokens=True)["input_ids"]
         enc = tokenizer(text, second, truncation=True, max_length=seq_len)["input_ids"]
+        # at most max_tokens, but always the first row
+        if max_tokens is not None and rows and total + len(enc) > max_tokens:
+            break
+        full = tokenizer(text, second, add_special_tokens=True)["input_ids"]
         n_truncated += len(full) > len(enc)
         rows.append((i, enc))
         total += len(enc)
-        if max_tokens is not None and total >= max_tokens:
-            break
     if n_truncated:
         log.warning("%d of %d examples were longer than %d tokens and were truncated",
                     n_truncated, len(rows), seq_len)

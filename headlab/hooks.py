@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint
 
 __all__ = [
@@ -43,7 +44,16 @@ _DEFAULT_LIMIT = 2 * 2**30
 
 
 class CaptureTooLargeError(MemoryError):
-    """A capture would store more than the limit; the message lists the ways out."""
+    """A capture would store more than the limit; the message lists the ways out.
+
+    ``needed`` and ``limit`` hold the estimate and the limit, in bytes.
+    """
+
+    def __init__(self, message: str, *, needed: int | None = None,
+                 limit: int | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.limit = limit
 
 
 def hook_names(model: nn.Module) -> list[str]:
@@ -130,15 +140,21 @@ class Capture:
 
 
 def _estimate(model: nn.Module, points: Mapping[str, HookPoint], batch: int, seq: int,
-              past: int, heads: int | None, dtype: torch.dtype | None) -> int:
+              past: int, heads: list[int] | None, dtype: torch.dtype | None) -> int:
     """Bytes a capture of these points will store for one forward of (batch, seq)."""
+    param = next(model.parameters(), None)
+    stored = param.dtype if param is not None and param.is_floating_point() else torch.float32
     total = 0
     for name in points:
         kind = name.rsplit(".", 1)[-1]
         attn = _owner_attention(model, name)
-        size = (torch.finfo(dtype).bits // 8) if dtype is not None else 4
+        own = stored
+        if kind in ("scores", "pattern"):  # float32 at least (see headlab.attention)
+            own = torch.promote_types(stored, torch.float32)
+        size = torch.finfo(dtype or own).bits // 8
         if attn is not None and kind in _HEAD_DIM:
-            h = attn.n_heads if heads is None else min(heads, attn.n_heads)
+            h = attn.n_heads if heads is None else sum(
+                int(i) in heads for i in attn.head_ids.tolist())
             if kind in ("k", "v"):
                 h = attn.n_kv_heads
             if kind in ("scores", "pattern"):
@@ -151,17 +167,22 @@ def _estimate(model: nn.Module, points: Mapping[str, HookPoint], batch: int, seq
     return total
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB"
+
+
 def _owner_attention(model: nn.Module, name: str):
     parent = name.rsplit(".", 1)[0]
     try:
         mod = model.get_submodule(parent)
     except AttributeError:
         return None
-    return mod if hasattr(mod, "head_ids") else None
+    # an isinstance test: HeadModel itself has a head_ids() method
+    return mod if isinstance(mod, MultiHeadAttention) else None
 
 
 def _model_width(model: nn.Module) -> int:
-    attn = next((m for m in model.modules() if hasattr(m, "head_ids")), None)
+    attn = next((m for m in model.modules() if isinstance(m, MultiHeadAttention)), None)
     return attn.d_model if attn is not None else 1
 
 
@@ -185,7 +206,8 @@ def capture(
     ``max_bytes`` (default 2 GiB, or the HEADLAB_CAPTURE_LIMIT environment variable).
     """
     points = _resolve(model, names, layers)
-    limit = max_bytes or int(os.environ.get("HEADLAB_CAPTURE_LIMIT", _DEFAULT_LIMIT))
+    limit = (max_bytes if max_bytes is not None
+             else int(os.environ.get("HEADLAB_CAPTURE_LIMIT", _DEFAULT_LIMIT)))
     head_set = None if heads is None else [int(h) for h in heads]
     store = Capture()
     handles = []
@@ -196,25 +218,30 @@ def capture(
             return
         cache = kwargs.get("cache")
         past = cache.length if cache is not None else 0
-        need = _estimate(model, points, ids.shape[0], ids.shape[1], past,
-                         None if head_set is None else len(head_set), dtype)
+        need = _estimate(model, points, ids.shape[0], ids.shape[1], past, head_set, dtype)
         if need > limit:
             raise CaptureTooLargeError(
                 f"capturing {len(points)} hook points for a batch of {tuple(ids.shape)} "
-                f"needs about {need / 2**20:.0f} MiB, over the limit of {limit / 2**20:.0f} MiB. "
+                f"needs about {_mib(need)} ({need} bytes), over the limit of {_mib(limit)} "
+                f"({limit} bytes). "
                 "Capture fewer layers (layers=...) or heads (heads=...), store float16 "
                 "(dtype=torch.float16), use a shorter text or smaller batch, or raise the "
-                "limit (max_bytes=... or HEADLAB_CAPTURE_LIMIT)"
+                "limit (max_bytes=... or HEADLAB_CAPTURE_LIMIT)",
+                needed=need, limit=limit,
             )
         store.forwards += 1
 
     def make_hook(name: str, kind: str, attn):
         def hook(_module, _inputs, output):
             t = output.detach()
-            ids = attn.head_ids.tolist() if attn is not None and kind in _HEAD_DIM else None
+            ids = None
+            if attn is not None and kind in _HEAD_DIM:
+                # k and v hold key/value heads, which keep their own ids under GQA
+                ids = (attn.kv_head_ids if kind in ("k", "v") else attn.head_ids).tolist()
             if head_set is not None and ids is not None and kind not in ("k", "v"):
                 pos = [p for p, h in enumerate(ids) if h in head_set]
-                t = t.index_select(_HEAD_DIM[kind], torch.tensor(pos, device=t.device))
+                index = torch.tensor(pos, dtype=torch.long, device=t.device)
+                t = t.index_select(_HEAD_DIM[kind], index)
                 ids = [ids[p] for p in pos]
             if dtype is not None or device is not None:
                 t = t.to(device=device or t.device, dtype=dtype or t.dtype)
@@ -298,11 +325,14 @@ def mean_z(
     """Mean per-head output z over all valid tokens of a dataset: {layer: (H, D)}."""
     sums: dict[int, torch.Tensor] = {}
     count = 0.0
+    device = next(model.parameters()).device
     for batch in batches:
+        ids = batch["input_ids"].to(device)
         valid = batch.get("attention_mask")
+        valid = valid.to(device) if valid is not None else None
         with capture(model, "z") as cap:
-            model(batch["input_ids"], attention_mask=valid)
-        w = (valid if valid is not None else torch.ones_like(batch["input_ids"])).double()
+            model(ids, attention_mask=valid)
+        w = (valid if valid is not None else torch.ones_like(ids)).double()
         for name, z in cap.items():
             layer = _layer_of(name)
             s = torch.einsum("bshd,bs->hd", z.double(), w)

@@ -180,6 +180,8 @@ def _gradient_scores(model, blocks, batch_size, *, squared: bool, per_token: boo
             # sum of per-example mean losses: d/d gate_x is example x's own gradient
             loss.sum().backward()
             for i, g in enumerate(gates):
+                if g.grad is None:  # a layer with every head pruned: nothing to score
+                    continue
                 grad = g.grad.double()
                 if per_token:
                     grad = grad.abs().sum(1) if not squared else grad.pow(2).sum(1)
@@ -244,7 +246,11 @@ def _pattern_scores(model, blocks, batch_size, method):
             model(batch["input_ids"].to(model.device),
                   attention_mask=batch["attention_mask"].to(model.device))
         roles = TokenRoles.from_mask(batch["attention_mask"].bool())
-        acc.update([p.cpu() for p in cap.stack("pattern")], roles)
+        # a layer with every head pruned never reaches its pattern hook: (B, 0, S, S)
+        B, S = batch["input_ids"].shape
+        empty = torch.zeros(B, 0, S, S)
+        acc.update([cap.tensors.get(f"blocks.{i}.attn.pattern", empty).cpu()
+                    for i in range(model.n_layers)], roles)
     stats = acc.result()
     by_layer: list[list[float]] = [[] for _ in range(model.n_layers)]
     for rec in stats.records:

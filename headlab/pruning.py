@@ -119,8 +119,8 @@ def select(
             keep_mask.view(-1)[idx] = True
     keep_mask &= present
     kept = {layer: torch.nonzero(keep_mask[layer]).flatten().tolist() for layer in range(L)}
-    pruned = {layer: torch.nonzero(~keep_mask[layer] & present[layer]).flatten().tolist()
-              for layer in range(L)}
+    # absent heads are listed too: a head masked before scoring must still be removed
+    pruned = {layer: torch.nonzero(~keep_mask[layer]).flatten().tolist() for layer in range(L)}
     return PrunePlan(kept, pruned)
 
 

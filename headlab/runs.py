@@ -228,10 +228,14 @@ def head_analysis(model: HeadModel, heldout, cfg: RunConfig) -> dict[str, Any]:
     ids, valid = ids[:, :n], valid[:, :n]
     with capture(model, "pattern") as cap:
         model(ids.to(model.device), attention_mask=valid.to(model.device))
-    pats = [p[0].float().cpu() for p in cap.stack("pattern")]  # (H, S, S) per layer
+    # (L, H_original, S, S): heads a pruned model no longer has stay all-zero
+    full = torch.zeros(model.n_layers, model.n_original_heads, n, n)
+    for layer, (pat, ids_l) in enumerate(zip(cap.stack("pattern"), model.head_ids(),
+                                            strict=True)):
+        full[layer, ids_l] = pat[0].float().cpu()
     tokens = tok.convert_ids_to_tokens(ids[0].tolist())
     sample = {"text": tok.decode(ids[0].tolist()), "tokens": [_pretty(t) for t in tokens],
-              "attention": encode_attention(torch.stack(pats).numpy())}
+              "attention": encode_attention(full.numpy())}
 
     acc = HeadStatsAccumulator(model.n_layers)
     rows = min(len(heldout), 4)

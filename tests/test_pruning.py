@@ -1,0 +1,262 @@
+"""Tests for headlab.pruning: plans, physical pruning, iterative and one-shot schedules.
+
+Known answers come from hand-built HeadScores (a permutation of 0..11, so every rank is
+written down). Equivalences: a physically pruned model == the same model with those
+heads' gates at 0, before and after save -> load; a one-shot schedule's plans are
+nested. References: each point of the curve recomputed with `evaluate` on a fresh
+model masked as the schedule masked it.
+
+Shape notation: L layers, H heads per layer, E model dim, D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import headlab
+from headlab.data import load_texts, make_blocks, split_blocks
+from headlab.evaluate import evaluate
+from headlab.importance import HeadScores, score
+from headlab.pruning import PrunePlan, current_plan, prune, prune_to_target, select
+
+# float32 logits of a 3-layer model computed along two paths: rounding only
+SAME = {"rtol": 1e-5, "atol": 1e-5}
+# 3 layers x 4 heads; rank 0 = least important. Layer 2 holds the weakest heads.
+TABLE = [[11.0, 4.0, 9.0, 6.0],
+         [10.0, 8.0, 5.0, 7.0],
+         [3.0, 0.0, 2.0, 1.0]]
+
+
+@pytest.fixture()
+def table() -> HeadScores:
+    return HeadScores([row[:] for row in TABLE], "hand")
+
+
+@pytest.fixture()
+def ids(tiny_gpt2) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(4)
+    return torch.randint(0, tiny_gpt2.config.vocab_size, (2, 16), generator=gen)
+
+
+@pytest.fixture()
+def data(tiny_gpt2):
+    blocks = make_blocks(load_texts(), tiny_gpt2.tokenizer, kind="causal-lm", seq_len=16,
+                         max_tokens=16 * 8)
+    return split_blocks(blocks, heldout=0.5, seed=0)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+# ---------------------------------------------------------------------- select
+def test_keep_half_takes_the_global_top_half(table):
+    plan = select(table, keep=0.5)
+    assert plan.kept == {0: [0, 2, 3], 1: [0, 1, 3], 2: []}
+    assert plan.pruned == {0: [1], 1: [2], 2: [0, 1, 2, 3]}
+    assert plan.n_kept == 6 and plan.n_pruned == 6
+    assert select(table, prune=6) == plan
+
+
+@pytest.mark.parametrize(("keep", "n"), [(1 / 12, 1), (0.25, 3), (0.3, 4), (0.75, 9)])
+def test_global_rank_keeps_the_highest_scores(table, keep, n):
+    plan = select(table, keep=keep)
+    kept = sorted(TABLE[layer][h] for layer, hs in plan.kept.items() for h in hs)
+    assert kept == [float(v) for v in range(12 - n, 12)]
+
+
+def test_per_layer_keeps_equal_counts(table):
+    plan = select(table, keep=0.5, per_layer=True)
+    assert plan.kept == {0: [0, 2], 1: [0, 1], 2: [0, 2]}
+    # 7 heads: the remainder goes to the layer whose best head is best (layer 0)
+    plan = select(table, keep=7 / 12, per_layer=True)
+    assert plan.kept == {0: [0, 2, 3], 1: [0, 1], 2: [0, 2]}
+
+
+def test_min_heads_per_layer_protects_each_layers_best(table):
+    plan = select(table, keep=0.25, min_heads_per_layer=1)
+    assert plan.kept == {0: [0], 1: [0], 2: [0]}
+    plan = select(table, keep=5 / 12, min_heads_per_layer=1)
+    assert plan.kept == {0: [0, 2], 1: [0, 1], 2: [0]}
+    with pytest.raises(ValueError, match="min_heads_per_layer=2 x 3 layers exceeds the 3"):
+        select(table, keep=0.25, min_heads_per_layer=2)
+
+
+@pytest.mark.parametrize("keep", [0.0, -0.1, 1.01, 2.0, math.nan])
+def test_keep_outside_the_range_raises(table, keep):
+    with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+        select(table, keep=keep)
+
+
+@pytest.mark.parametrize("n", [12, 13, -1])
+def test_prune_outside_the_range_raises(table, n):
+    with pytest.raises(ValueError, match="prune must be between 0 and 11 heads .*has 12"):
+        select(table, prune=n)
+
+
+def test_exactly_one_of_keep_and_prune(table):
+    with pytest.raises(ValueError, match="exactly one of keep"):
+        select(table)
+    with pytest.raises(ValueError, match="exactly one of keep"):
+        select(table, keep=0.5, prune=3)
+
+
+def test_absent_heads_count_as_pruned(table):
+    table.scores[0][0] = math.nan  # the best head is already gone
+    table.scores[1][2] = math.nan
+    plan = select(table, keep=0.5)
+    assert plan.kept == {0: [1, 2, 3], 1: [0, 1, 3], 2: []}
+    assert plan.pruned == {0: [0], 1: [2], 2: [0, 1, 2, 3]}
+    assert plan.n_kept + plan.n_pruned == 12
+    with pytest.raises(ValueError, match="cannot keep 11 heads: only 10 remain"):
+        select(table, keep=11 / 12)
+
+
+def test_plan_json_round_trip(table):
+    plan = select(table, keep=0.5)
+    assert PrunePlan.from_json(plan.to_json()) == plan
+
+
+# ---------------------------------------------------------------------- prune
+def test_keep_all_prunes_nothing(tiny_gpt2, table, ids):
+    before = _logits(tiny_gpt2, ids)
+    n_params = tiny_gpt2.num_parameters()
+    plan = select(table, keep=1.0)
+    assert plan.n_pruned == 0 and plan.n_kept == 12
+    prune(tiny_gpt2, plan)
+    assert tiny_gpt2.num_parameters() == n_params
+    assert_close(_logits(tiny_gpt2, ids), before, rtol=0, atol=0)
+
+
+def test_physical_pruning_equals_gating(tiny_gpt2, tiny_gpt2_dir, table, ids):
+    plan = select(table, keep=0.5, per_layer=True)
+    gated = headlab.load(tiny_gpt2_dir)
+    gated.mask_heads(plan.pruned)
+    n_params = tiny_gpt2.num_parameters()
+    pruned = prune(tiny_gpt2, plan)
+    assert pruned is tiny_gpt2
+    assert pruned.heads_per_layer == [2, 2, 2]
+    assert pruned.head_ids() == [plan.kept[layer] for layer in range(3)]
+    E, D = 32, 8  # each head: D rows of W_Q, W_K, W_V (with biases), D columns of W_O
+    assert n_params - pruned.num_parameters() == 6 * (4 * E * D + 3 * D)
+    assert_close(_logits(pruned, ids), _logits(gated, ids), **SAME)
+    assert (_logits(gated, ids) - _logits(headlab.load(tiny_gpt2_dir), ids)).abs().max() > 1e-4
+
+
+def test_prune_a_copy_leaves_the_model(tiny_gpt2, table, ids):
+    before = _logits(tiny_gpt2, ids)
+    copy = prune(tiny_gpt2, select(table, keep=0.5), inplace=False)
+    assert copy is not tiny_gpt2 and copy.tokenizer is tiny_gpt2.tokenizer
+    assert tiny_gpt2.heads_per_layer == [4, 4, 4]
+    assert copy.heads_per_layer == [3, 3, 0]
+    assert_close(_logits(tiny_gpt2, ids), before, rtol=0, atol=0)
+
+
+def test_pruning_every_head_of_a_layer(tiny_gpt2, tiny_gpt2_dir, ids):
+    plan = PrunePlan({0: [], 1: [0, 1, 2, 3], 2: [0, 1, 2, 3]},
+                     {0: [0, 1, 2, 3], 1: [], 2: []})
+    gated = headlab.load(tiny_gpt2_dir)
+    gated.mask_heads(plan.pruned)
+    prune(tiny_gpt2, plan)
+    assert tiny_gpt2.heads_per_layer == [0, 4, 4]
+    assert_close(_logits(tiny_gpt2, ids), _logits(gated, ids), **SAME)
+
+
+def test_pruned_model_saves_and_loads_as_the_gated_model(tiny_gpt2, tiny_gpt2_dir, table,
+                                                          ids, tmp_path):
+    plan = select(table, keep=5 / 12)  # uneven: [2, 3, 0] heads
+    gated = headlab.load(tiny_gpt2_dir)
+    gated.mask_heads(plan.pruned)
+    prune(tiny_gpt2, plan)
+    reloaded = headlab.load(tiny_gpt2.save(tmp_path / "pruned"))
+    assert reloaded.heads_per_layer == [2, 3, 0]
+    assert reloaded.head_ids() == tiny_gpt2.head_ids()
+    assert reloaded.n_original_heads == 4
+    assert reloaded.tokenizer is not None
+    assert_close(_logits(reloaded, ids), _logits(tiny_gpt2, ids), rtol=0, atol=0)
+    assert_close(_logits(reloaded, ids), _logits(gated, ids), **SAME)
+
+
+def test_plan_from_a_masked_model_removes_the_masked_heads(tiny_gpt2, tiny_gpt2_dir, data,
+                                                           ids):
+    """Heads masked before scoring score NaN; the plan must still remove them."""
+    scoring, _ = data
+    tiny_gpt2.mask_heads({0: [1], 2: [3]})
+    plan = select(score(tiny_gpt2, scoring), keep=0.5)
+    assert 1 in plan.pruned[0] and 3 in plan.pruned[2]
+    gated = headlab.load(tiny_gpt2_dir)
+    gated.mask_heads(plan.pruned)
+    prune(tiny_gpt2, plan)
+    assert sum(tiny_gpt2.heads_per_layer) == 6
+    assert_close(_logits(tiny_gpt2, ids), _logits(gated, ids), **SAME)
+
+
+# ---------------------------------------------------------------------- schedules
+def _masked_copy(model_dir, pruned: dict[int, list[int]]):
+    model = headlab.load(model_dir)
+    model.mask_heads(pruned)
+    return model
+
+
+def _pruned_set(plan: PrunePlan) -> set[tuple[int, int]]:
+    return {(layer, h) for layer, hs in plan.pruned.items() for h in hs}
+
+
+def test_iterative_schedule(tiny_gpt2, tiny_gpt2_dir, data):
+    scoring, heldout = data
+    seen = []
+    res = prune_to_target(tiny_gpt2, scoring, heldout, keep=0.5, step=0.25,
+                          schedule="iterative", batch_size=4, on_step=seen.append)
+    assert [p["fraction_pruned"] for p in res.curve] == [0.0, 0.25, 0.5]
+    assert [p["heads_kept"] for p in res.curve] == [12, 9, 6]
+    assert seen == res.curve
+    assert res.plan.n_kept == 6 and res.plan.n_pruned == 6
+    assert res.plan == current_plan(tiny_gpt2)
+    assert len(res.step_scores) == 2 and res.scores is res.step_scores[0]
+
+    # step 1 prunes the 3 lowest of the first scores; step 2 re-scores with that mask
+    first = select(res.step_scores[0], prune=3)
+    assert_close(res.step_scores[1].tensor(),
+                 score(_masked_copy(tiny_gpt2_dir, first.pruned), scoring, seed=1).tensor(),
+                 rtol=1e-6, atol=0, equal_nan=True)
+    second = select(res.step_scores[1], prune=6)
+    assert _pruned_set(first) <= _pruned_set(second) == _pruned_set(res.plan)
+
+    # each point of the curve is evaluate() at that step's mask
+    for point, pruned in zip(res.curve, ({}, first.pruned, second.pruned), strict=True):
+        q = evaluate(_masked_copy(tiny_gpt2_dir, pruned), heldout, batch_size=4)
+        assert_close(point["quality"], q.value, rtol=1e-9, atol=0)
+        assert_close(point["loss"], q.loss, rtol=1e-9, atol=0)
+
+
+def test_one_shot_schedule_gives_nested_plans(tiny_gpt2, tiny_gpt2_dir, data):
+    scoring, heldout = data
+    res = prune_to_target(tiny_gpt2, scoring, heldout, keep=0.5, step=0.25,
+                          schedule="one-shot", batch_size=4)
+    assert [p["fraction_pruned"] for p in res.curve] == [0.0, 0.25, 0.5]
+    assert [p["heads_kept"] for p in res.curve] == [12, 9, 6]
+    assert len(res.step_scores) == 1  # scored once
+    at_25, at_50 = select(res.scores, prune=3), select(res.scores, prune=6)
+    assert _pruned_set(at_25) < _pruned_set(at_50) == _pruned_set(res.plan)
+    for point, pruned in zip(res.curve, ({}, at_25.pruned, at_50.pruned), strict=True):
+        q = evaluate(_masked_copy(tiny_gpt2_dir, pruned), heldout, batch_size=4)
+        assert_close(point["quality"], q.value, rtol=1e-9, atol=0)
+    # the model is left masked at the plan; pruning it keeps the last point's quality
+    prune(tiny_gpt2, res.plan)
+    assert_close(evaluate(tiny_gpt2, heldout, batch_size=4).value, res.curve[-1]["quality"],
+                 rtol=1e-5, atol=0)
+
+
+def test_schedule_arguments_are_checked(tiny_gpt2, data):
+    scoring, heldout = data
+    with pytest.raises(ValueError, match="schedule must be 'iterative' or 'one-shot'"):
+        prune_to_target(tiny_gpt2, scoring, heldout, keep=0.5, schedule="greedy")
+    with pytest.raises(ValueError, match=r"step must be in \(0, 1\]"):
+        prune_to_target(tiny_gpt2, scoring, heldout, keep=0.5, step=0)
+    with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+        prune_to_target(tiny_gpt2, scoring, heldout, keep=0)
