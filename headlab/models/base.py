@@ -166,6 +166,12 @@ class HeadModel(nn.Module):
     def new_cache(self) -> Cache:
         return Cache(self.n_layers)
 
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Greedy or sampled continuation with the KV cache; see `headlab.generation`."""
+        from headlab.generation import generate
+
+        return generate(self, input_ids, **kwargs)
+
     # ---------------------------------------------------------------- save / load
     def save(self, directory: str | Path) -> Path:
         """Write config.json (headlab format), model.safetensors and the tokenizer."""

