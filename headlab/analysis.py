@@ -450,6 +450,19 @@ class HeadStatsAccumulator:
                 self._sums[layer] += sums
                 self._counts[layer] += counts
 
+    def all_reduce(self) -> None:
+        """Sum the accumulators over torch.distributed ranks (every rank must call it,
+        each having seen at least one batch); nothing happens outside torchrun."""
+        from headlab import distributed
+
+        if not distributed.active():
+            return
+        for layer in range(self.n_layers):
+            if self._sums[layer] is None:
+                raise ValueError("all_reduce needs at least one batch on every rank")
+            self._sums[layer] = distributed.all_reduce_sum(self._sums[layer])
+            self._counts[layer] = distributed.all_reduce_sum(self._counts[layer])
+
     def result(self) -> HeadStats:
         """The mean of each statistic per head over every row seen so far."""
         if self._sums[0] is None:

@@ -54,8 +54,15 @@ class DType(StrEnum):
 
 
 def _setup(quiet: bool, json_mode: bool) -> None:
+    import os
+    import signal
+
     from headlab import _progress
 
+    # SIGTERM (a scheduler stopping the job) ends a run like Ctrl-C: status interrupted,
+    # checkpoint saved, resumable.
+    signal.signal(signal.SIGTERM, _interrupt)
+    quiet = quiet or int(os.environ.get("RANK", "0")) > 0  # torchrun: rank 0 prints
     level = logging.WARNING if quiet or json_mode else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"
@@ -79,6 +86,10 @@ def _setup(quiet: bool, json_mode: bool) -> None:
         pass
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -99,13 +110,19 @@ def _guard(fn, *args, **kwargs):
     except ValueError as exc:  # validation deeper in the API (plans, shapes, keys)
         _fail(str(exc).splitlines()[0])
     except KeyboardInterrupt:
-        typer.echo("interrupted: the run directory is marked 'interrupted'", err=True)
+        typer.echo("interrupted: the run directory is marked 'interrupted'; continue it "
+                   "with --resume RUN_DIR", err=True)
         raise typer.Exit(130) from None
 
 
 # ---------------------------------------------------------------- shared options
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Bundled name (smollm2-135m, "
                                        "minilm-l6), local directory, .gguf file or hub id.")]
+RunModelOpt = Annotated[str | None, typer.Option(
+    "--model", "-m", help="Bundled name (smollm2-135m, minilm-l6), local directory, .gguf "
+    "file or hub id (not needed with --resume).")]
+ResumeOpt = Annotated[Path | None, typer.Option(
+    help="Continue an interrupted run directory with its own configuration.")]
 DataOpt = Annotated[str | None, typer.Option(
     help="Dataset (name:config:split), .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
 MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
@@ -165,18 +182,22 @@ def _print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
         console.print(f"model:   {summary['model_dir']}")
 
 
-def _execute(config: dict, quiet: bool, json_mode: bool) -> None:
-    from headlab.runs import RunConfig, run
+def _execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = None) -> None:
+    from headlab import distributed
+    from headlab.runs import RunConfig, UserError, run
 
-    cfg = RunConfig.from_dict(config)
-    out, results = run(cfg)
-    _print_summary(_summary(results, out), json_mode, quiet)
+    if resume is None and not config.get("model"):
+        raise UserError("give --model (or --resume RUN_DIR to continue a run)")
+    cfg = None if resume is not None else RunConfig.from_dict(config)
+    out, results = run(cfg, resume=resume)
+    if distributed.is_main():
+        _print_summary(_summary(results, out), json_mode, quiet)
 
 
 # ---------------------------------------------------------------- commands
 @app.command()
 def prune(
-    model: ModelOpt,
+    model: RunModelOpt = None,
     keep: Annotated[float | None, typer.Option(help="Fraction of heads to keep, in (0, 1].")]
     = None,
     prune_n: Annotated[int | None, typer.Option("--prune", help="Number of heads to remove.")]
@@ -210,6 +231,7 @@ def prune(
         help="More methods to draw a curve for (repeat the option).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")] = False,
     json_mode: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+    resume: ResumeOpt = None,
 ) -> None:
     """Score every head, remove the least important, measure quality and speed.
 
@@ -225,12 +247,12 @@ def prune(
         out=str(out) if out else None, overwrite=overwrite, export=export,
         compare=[m.value for m in compare or []],
     )
-    _guard(_execute, config, quiet, json_mode)
+    _guard(_execute, config, quiet, json_mode, resume)
 
 
 @app.command()
 def score(
-    model: ModelOpt,
+    model: RunModelOpt = None,
     method: MethodOpt = Method.michel,
     data: DataOpt = None,
     text_column: Annotated[str | None, typer.Option(help="Text column of the data.")] = None,
@@ -247,6 +269,7 @@ def score(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
     json_mode: Annotated[bool, typer.Option("--json")] = False,
+    resume: ResumeOpt = None,
 ) -> None:
     """Score head importance only (results.json, importance.csv, report.html).
 
@@ -258,7 +281,7 @@ def score(
                   seq_len=seq_len, batch_size=batch_size, seed=seed, per_token=per_token,
                   device=device.value, dtype=dtype.value, out=str(out) if out else None,
                   overwrite=overwrite)
-    _guard(_execute, config, quiet, json_mode)
+    _guard(_execute, config, quiet, json_mode, resume)
 
 
 @app.command(name="eval")

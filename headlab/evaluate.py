@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from headlab import distributed
 from headlab._progress import track
 from headlab.data import Blocks
 from headlab.models.base import HeadModel
@@ -139,12 +140,15 @@ def example_losses(
 
 @torch.no_grad()
 def evaluate(model: HeadModel, blocks: Blocks, *, batch_size: int = 8) -> Quality:
-    """Quality of ``model`` on ``blocks`` (prepared with `prepare` on the unpruned model)."""
+    """Quality of ``model`` on ``blocks`` (prepared with `prepare` on the unpruned model).
+
+    Under torchrun each rank evaluates a disjoint shard and the sums are all-reduced."""
     metric, higher = METRICS[model.kind]
     if model.kind == "embedding" and "reference" not in blocks.extras:
         raise ValueError("embedding fidelity needs reference embeddings: call prepare() first")
     total_loss = total_count = total_correct = 0.0
     n_tokens = 0
+    blocks = blocks.subset(distributed.shard_rows(len(blocks)))  # all rows outside torchrun
     for batch in track(blocks.batches(batch_size), total=blocks.n_batches(batch_size),
                        description=f"evaluating {metric}"):
         loss, count, correct = example_losses(model, batch)
@@ -153,6 +157,9 @@ def evaluate(model: HeadModel, blocks: Blocks, *, batch_size: int = 8) -> Qualit
         total_count += float(count.sum())
         total_correct += float(correct.sum())
         n_tokens += int(batch["attention_mask"].sum())
+    total_loss, total_count, total_correct, n_tokens = distributed.sum_floats(
+        total_loss, total_count, total_correct, n_tokens)
+    n_tokens = int(n_tokens)
     mean = total_loss / max(total_count, 1.0)
     if metric in ("perplexity", "mlm-perplexity"):
         value = math.exp(min(mean, 700.0))

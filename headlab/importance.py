@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+from headlab import distributed
 from headlab._io import atomic_write_json, atomic_write_text
 from headlab._progress import track
+from headlab.checkpoint import Checkpoint
 from headlab.data import Blocks
 from headlab.evaluate import example_losses
 from headlab.models.base import HeadModel
@@ -112,8 +114,15 @@ def score(
     global_minmax: bool = False,
     per_token: bool = False,
     seed: int = 0,
+    checkpoint: Checkpoint | None = None,
+    checkpoint_key: str = "score",
 ) -> HeadScores:
     """Score every present, unmasked head of ``model`` on ``blocks``.
+
+    Under torchrun each rank scores a disjoint shard of ``blocks`` and the sums are
+    all-reduced, so every rank returns the scores of the whole data. With a
+    ``checkpoint``, gradient scoring saves its sums every ``checkpoint.every`` batches
+    (and when interrupted) and resumes from them.
 
     ``blocks`` must be prepared for the model (`headlab.evaluate.prepare`).
     ``normalize`` divides each layer by its l2 norm (Michel et al.); ``global_minmax``
@@ -125,9 +134,15 @@ def score(
         raise ValueError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
     if len(blocks) == 0:
         raise ValueError(f"{blocks.spec}: no blocks to score on")
+    n_examples = len(blocks)
+    if n_examples < distributed.world_size():
+        raise ValueError(f"{n_examples} blocks cannot be shared by {distributed.world_size()} "
+                         "ranks; give more data or fewer processes")
+    blocks = blocks.subset(distributed.shard_rows(len(blocks)))
     if method in ("michel", "fisher"):
         raw, n_tokens = _gradient_scores(model, blocks, batch_size, squared=method == "fisher",
-                                         per_token=per_token)
+                                         per_token=per_token, n_examples=n_examples,
+                                         checkpoint=checkpoint, key=checkpoint_key)
     elif method == "ablation":
         raw, n_tokens = _ablation_scores(model, blocks, batch_size)
     elif method in ("entropy", "confidence"):
@@ -153,19 +168,36 @@ def _active(model: HeadModel) -> list[torch.Tensor]:
     return [a.head_gate != 0 for a in model.attentions]
 
 
-def _gradient_scores(model, blocks, batch_size, *, squared: bool, per_token: bool):
-    """Accumulate |dL_x/d xi| (or its square) per example, gradients zeroed per batch."""
+def _gradient_scores(model, blocks, batch_size, *, squared: bool, per_token: bool,
+                     n_examples: int, checkpoint: Checkpoint | None, key: str):
+    """Accumulate |dL_x/d xi| (or its square) per example, gradients zeroed per batch.
+
+    ``blocks`` is this rank's shard; ``n_examples`` counts all ranks' examples.
+    """
     attns = model.attentions
     acc = [torch.zeros(a.n_heads, dtype=torch.float64) for a in attns]
     n_tokens = 0
+    start = 0
+    saved = checkpoint.get(key) if checkpoint is not None else None
+    if saved is not None:
+        start, n_tokens, acc = saved["batch"], saved["n_tokens"], saved["acc"]
+    done = start
+
+    def save() -> None:
+        if checkpoint is not None and done > start:
+            checkpoint.put(key, {"batch": done, "n_tokens": n_tokens, "acc": acc})
+
     was_training = model.training
     model.eval()
     requires = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)  # only the gates need gradients
     try:
-        for batch in track(blocks.batches(batch_size), total=blocks.n_batches(batch_size),
-                           description="scoring heads"):
+        for index, batch in enumerate(track(blocks.batches(batch_size),
+                                            total=blocks.n_batches(batch_size),
+                                            description="scoring heads")):
+            if index < start:  # done before the interruption
+                continue
             B, S = batch["input_ids"].shape
             gates = []
             for a in attns:
@@ -189,15 +221,23 @@ def _gradient_scores(model, blocks, batch_size, *, squared: bool, per_token: boo
                     grad = grad.pow(2) if squared else grad.abs()
                 acc[i] += grad.sum(0).cpu()
             n_tokens += int(count.sum())
+            done = index + 1
+            if checkpoint is not None and done % checkpoint.every == 0:
+                save()
+    except KeyboardInterrupt:
+        save()
+        raise
     finally:
         for a in attns:
             a.gate_override = None
         for p, r in zip(model.parameters(), requires, strict=True):
             p.requires_grad_(r)
         model.train(was_training)
-    n = max(len(blocks), 1)
+    acc = [distributed.all_reduce_sum(a) for a in acc]
+    (n_tokens,) = distributed.sum_floats(n_tokens)
+    n = max(n_examples, 1)
     return [torch.where(m.cpu(), s / n, torch.nan) for s, m in zip(acc, _active(model),
-                                                                     strict=True)], n_tokens
+                                                                     strict=True)], int(n_tokens)
 
 
 @torch.no_grad()
@@ -207,6 +247,7 @@ def _mean_loss(model, blocks, batch_size) -> tuple[float, int]:
         loss, c, _ = example_losses(model, batch)
         total += float((loss * c).sum())
         count += float(c.sum())
+    total, count = distributed.sum_floats(total, count)
     return total / max(count, 1.0), int(count)
 
 
@@ -251,6 +292,7 @@ def _pattern_scores(model, blocks, batch_size, method):
         empty = torch.zeros(B, 0, S, S)
         acc.update([cap.tensors.get(f"blocks.{i}.attn.pattern", empty).cpu()
                     for i in range(model.n_layers)], roles)
+    acc.all_reduce()
     stats = acc.result()
     by_layer: list[list[float]] = [[] for _ in range(model.n_layers)]
     for rec in stats.records:
@@ -259,7 +301,8 @@ def _pattern_scores(model, blocks, batch_size, method):
     active = _active(model)
     out = [torch.where(m.cpu(), torch.tensor(v, dtype=torch.float64), torch.nan)
            for v, m in zip(by_layer, active, strict=True)]
-    return out, blocks.n_tokens
+    (n_tokens,) = distributed.sum_floats(blocks.n_tokens)
+    return out, int(n_tokens)
 
 
 def _to_original(model: HeadModel, raw: Sequence[torch.Tensor]) -> torch.Tensor:

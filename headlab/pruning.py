@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from headlab import distributed
+from headlab.checkpoint import Checkpoint
 from headlab.data import Blocks
 from headlab.evaluate import Quality, evaluate
 from headlab.importance import HeadScores, score
@@ -180,6 +182,7 @@ def prune_to_target(
     seed: int = 0,
     score_kwargs: Mapping | None = None,
     on_step: Callable[[dict], None] | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> PruneResult:
     """Score, mask and re-score until the target; record held-out quality per step.
 
@@ -187,6 +190,8 @@ def prune_to_target(
     current mask (gates at 0 for removed heads) each time. ``one-shot``: score once and
     remove down to the target, still recording the curve at each step's size. The
     model is left masked at the final plan; call `prune` to remove the weights.
+    With a ``checkpoint`` each finished step (and each scoring's progress) is saved,
+    and a call with the same checkpoint resumes where the last one stopped.
     """
     if schedule not in ("iterative", "one-shot"):
         raise ValueError(f"schedule must be 'iterative' or 'one-shot', got {schedule!r}")
@@ -205,24 +210,42 @@ def prune_to_target(
             on_step(point)
         return point
 
-    curve = [quality_point(present)]
-    first = score(model, scoring, method=method, batch_size=batch_size, seed=seed, **kw)
-    current = first
-    step_scores = [first]
-    n_now = present
     per_step = max(1, round(step * total))
+    key = f"prune/{method}"
+    saved = checkpoint.get(key) if checkpoint is not None else None
+    if saved is not None:  # resume: the mask, curve and scores of the last finished step
+        model.mask_heads({int(k): v for k, v in saved["masked"].items()})
+        curve = saved["curve"]
+        step_scores = [HeadScores.from_json(j) for j in saved["step_scores"]]
+        n_now = saved["n_now"]
+    else:
+        curve = [quality_point(present)]
+        step_scores = [score(model, scoring, method=method, batch_size=batch_size, seed=seed,
+                             checkpoint=checkpoint, checkpoint_key=f"{key}/score0", **kw)]
+        n_now = present
+
+    def save_step() -> None:
+        if checkpoint is not None:
+            masked = {str(k): v for k, v in current_plan(model).pruned.items()}
+            checkpoint.put(key, {"masked": masked, "curve": curve, "n_now": n_now,
+                                 "step_scores": [sc.to_json() for sc in step_scores]})
+
+    save_step()
     while n_now > n_keep:
         n_next = max(n_keep, n_now - per_step)
-        plan = select(current, keep=None, prune=total - n_next, per_layer=per_layer,
+        plan = select(step_scores[-1], keep=None, prune=total - n_next, per_layer=per_layer,
                       min_heads_per_layer=min_heads_per_layer, of_total=total)
+        plan = distributed.broadcast(plan)  # decided once, applied on every rank
         model.mask_heads(plan.pruned)
         n_now = n_next
         curve.append(quality_point(n_now))
         if schedule == "iterative" and n_now > n_keep:
-            current = score(model, scoring, method=method, batch_size=batch_size,
-                            seed=seed + len(step_scores), **kw)
-            step_scores.append(current)
-    return PruneResult(current_plan(model), first, curve, step_scores)
+            step_scores.append(score(
+                model, scoring, method=method, batch_size=batch_size,
+                seed=seed + len(step_scores), checkpoint=checkpoint,
+                checkpoint_key=f"{key}/score{len(step_scores)}", **kw))
+        save_step()
+    return PruneResult(current_plan(model), step_scores[0], curve, step_scores)
 
 
 def current_plan(model: HeadModel) -> PrunePlan:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import json
 import logging
 import math
 import statistics
@@ -20,8 +21,9 @@ from typing import Any
 
 import torch
 
-from headlab import __version__
+from headlab import __version__, distributed
 from headlab._io import atomic_write_json
+from headlab.checkpoint import Checkpoint
 from headlab.data import load_texts, make_blocks, split_blocks
 from headlab.evaluate import evaluate, prepare
 from headlab.importance import METHODS, score
@@ -68,6 +70,7 @@ class RunConfig:
     overwrite: bool = False
     export: str | None = None
     sample_tokens: int = 64
+    checkpoint_every: int = 10
     latency_batch: int = 8
     latency_seq_len: int = 128
 
@@ -111,6 +114,8 @@ class RunConfig:
             raise UserError(f"--schedule must be iterative or one-shot, got {self.schedule!r}")
         if not 0 < self.step <= 1:
             raise UserError(f"--step must be in (0, 1], got {self.step}")
+        if self.checkpoint_every < 1:
+            raise UserError(f"checkpoint_every must be >= 1 batch, got {self.checkpoint_every}")
         if self.batch_size < 1 or self.max_tokens < 1 or self.min_heads_per_layer < 0:
             raise UserError("--batch-size and --max-tokens must be >= 1, "
                             "--min-heads-per-layer >= 0")
@@ -270,33 +275,61 @@ def _versions() -> dict[str, str]:
             "transformers": transformers.__version__}
 
 
-def run(cfg: RunConfig) -> tuple[Path, dict[str, Any]]:
+def run(cfg: RunConfig, *, resume: Path | None = None) -> tuple[Path, dict[str, Any]]:
     """Carry out a prune or score run; return its directory and results.
 
     The model and data are loaded before the run directory is created, so bad input
     leaves nothing behind; from then on status.json says running / interrupted /
-    failed / complete.
+    failed / complete, and checkpoints let ``resume=RUN_DIR`` finish an interrupted
+    run with the result an uninterrupted one would have had. Under torchrun every rank
+    computes, rank 0 alone writes.
     """
+    if resume is not None:
+        cfg = resume_config(resume)
     cfg = cfg.validated()
-    out = Path(cfg.out) if cfg.out else default_out(cfg)
-    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+    distributed.init_from_env(resolve_device(cfg.device))
+    main = distributed.is_main()
+    out = resume or (Path(cfg.out) if cfg.out else default_out(cfg))
+    if resume is None and out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise UserError(f"run directory {out} already exists; pass --overwrite or another --out")
+    out = Path(distributed.broadcast(str(out)))
     model = load_model(cfg)
     scoring, heldout, seq_len = build_data(cfg, model)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "config.json", cfg.to_dict())
-    set_status(out, "running")
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if resume is None:
+            for stale in out.glob("checkpoint*.pt"):  # --overwrite starts over
+                stale.unlink()
+        atomic_write_json(out / "config.json", cfg.to_dict())
+        set_status(out, "running")
+    distributed.barrier()
+    checkpoint = Checkpoint(out, every=cfg.checkpoint_every)
     stage = _prune if cfg.command == "prune" else _score_only
     try:
-        results = stage(cfg, out, model, scoring, heldout, seq_len)
+        results = stage(cfg, out, model, scoring, heldout, seq_len, checkpoint)
     except KeyboardInterrupt:
-        set_status(out, "interrupted")
+        if main:
+            set_status(out, "interrupted", resume=f"headlab {cfg.command} --resume {out}")
         raise
     except BaseException as exc:
-        set_status(out, "failed", error=f"{type(exc).__name__}: {exc}")
+        if main:
+            set_status(out, "failed", error=f"{type(exc).__name__}: {exc}")
         raise
-    set_status(out, "complete")
+    checkpoint.clear()
+    if main:
+        set_status(out, "complete")
     return out, results
+
+
+def resume_config(run_dir: Path) -> RunConfig:
+    """The configuration an interrupted run was started with."""
+    cfg_file = Path(run_dir) / "config.json"
+    if not cfg_file.is_file():
+        raise UserError(f"{run_dir} has no config.json: not a headlab run directory")
+    status_file = Path(run_dir) / "status.json"
+    if status_file.is_file() and json.loads(status_file.read_text()).get("status") == "complete":
+        raise UserError(f"{run_dir} is complete: there is nothing to resume")
+    return RunConfig.from_dict(json.loads(cfg_file.read_text()))
 
 
 def _base_results(cfg: RunConfig, model: HeadModel, scoring, heldout, seq_len) -> dict:
@@ -315,6 +348,8 @@ def _base_results(cfg: RunConfig, model: HeadModel, scoring, heldout, seq_len) -
 def _finish(out: Path, results: dict, scores) -> None:
     from headlab.report import build_report
 
+    if not distributed.is_main():
+        return
     scores.save_csv(out / "importance.csv")
     results["files"] = {"results": "results.json", "importance_csv": "importance.csv",
                         "config": "config.json"}
@@ -335,9 +370,11 @@ def _json_safe(x):
     return x
 
 
-def _score_only(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len) -> dict:
+def _score_only(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len,
+                checkpoint) -> dict:
     scores = score(model, scoring, method=cfg.method, batch_size=cfg.batch_size,
-                   normalize=cfg.normalize, per_token=cfg.per_token, seed=cfg.seed)
+                   normalize=cfg.normalize, per_token=cfg.per_token, seed=cfg.seed,
+                   checkpoint=checkpoint)
     q = evaluate(model, heldout, batch_size=cfg.batch_size)
     results = _base_results(cfg, model, scoring, heldout, seq_len)
     results.update({
@@ -351,21 +388,25 @@ def _score_only(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len) -> 
         "latency_ms": None, "kv_cache_bytes_per_token": {
             "before": model.kv_cache_bytes_per_token(), "after": None},
     })
-    results.update(head_analysis(model, heldout, cfg))
+    if distributed.is_main():
+        results.update(head_analysis(model, heldout, cfg))
     _finish(out, results, scores)
     return results
 
 
-def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len) -> dict:
+def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoint) -> dict:
+    main = distributed.is_main()
     results = _base_results(cfg, model, scoring, heldout, seq_len)
     lat_b, lat_s = cfg.latency_batch, min(cfg.latency_seq_len, seq_len)
     before = {
         "params": model.num_parameters(), "heads": model.heads_per_layer,
         "kv": model.kv_heads_per_layer, "kv_bytes": model.kv_cache_bytes_per_token(),
-        "latency": measure_latency(model, lat_b, lat_s),
+        "latency": measure_latency(model, lat_b, lat_s) if main else None,
     }
-    log.info("analysing heads on a held-out sample")
-    analysis = head_analysis(model, heldout, cfg)
+    analysis = {}
+    if main:
+        log.info("analysing heads on a held-out sample")
+        analysis = head_analysis(model, heldout, cfg)
 
     kw = {"normalize": cfg.normalize, "per_token": cfg.per_token}
     curves: dict[str, list[dict]] = {}
@@ -376,7 +417,8 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len) -> dict:
                               prune=cfg.prune, schedule=cfg.schedule, step=cfg.step,
                               per_layer=cfg.per_layer,
                               min_heads_per_layer=cfg.min_heads_per_layer,
-                              batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw)
+                              batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw,
+                              checkpoint=checkpoint)
         curves[method] = res.curve
         model.load_state_dict(state)  # gates back to 1 for the next method
 
@@ -385,7 +427,7 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len) -> dict:
                           prune=cfg.prune, schedule=cfg.schedule, step=cfg.step,
                           per_layer=cfg.per_layer, min_heads_per_layer=cfg.min_heads_per_layer,
                           batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw,
-                          on_step=lambda p: log.info(
+                          checkpoint=checkpoint, on_step=lambda p: log.info(
                               "  %.0f%% pruned: %s %.4g", 100 * p["fraction_pruned"],
                               "quality", p["quality"]))
     curves[cfg.method] = res.curve
@@ -395,11 +437,12 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len) -> dict:
     after = {
         "params": model.num_parameters(), "heads": model.heads_per_layer,
         "kv": model.kv_heads_per_layer, "kv_bytes": model.kv_cache_bytes_per_token(),
-        "latency": measure_latency(model, lat_b, lat_s),
+        "latency": measure_latency(model, lat_b, lat_s) if main else None,
     }
-    model.save(out / "model")
+    if main:
+        model.save(out / "model")
     export_note = None
-    if cfg.export == "hf":
+    if cfg.export == "hf" and main:
         reason = hf_expressible(model)
         if reason is None:
             export_hf(model, out / "model-hf")

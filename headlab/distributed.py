@@ -1,0 +1,83 @@
+"""Data parallelism on torch.distributed, as started by ``torchrun``.
+
+Each rank takes a disjoint shard of the blocks (rank r takes rows r, r + W, r + 2W, ...,
+so no block is dropped or counted twice when the count does not divide by W), sums
+its accumulators locally in float64, and the sums are all-reduced. Rank 0 alone writes
+files and prints. Backend: gloo on CPU, nccl on CUDA, chosen automatically.
+
+    torchrun --nproc_per_node 2 -m headlab score --model minilm-l6
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env(device: str = "cpu") -> bool:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE set); False if none."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    backend = "nccl" if device.startswith("cuda") and torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+    return True
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def shard_rows(n: int) -> list[int]:
+    """This rank's row indices of n rows (all of them outside torchrun)."""
+    return list(range(rank(), n, world_size()))
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks (returned; the input is left as it was on one rank)."""
+    if not active():
+        return t
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    out = t.detach().to(device=device).clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(t.device)
+
+
+def sum_floats(*values: float) -> tuple[float, ...]:
+    """All-reduce a few Python numbers in float64."""
+    if not active():
+        return values
+    t = all_reduce_sum(torch.tensor(values, dtype=torch.float64))
+    return tuple(float(v) for v in t)
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (plans decided once, applied everywhere)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
