@@ -1,7 +1,7 @@
 """Data parallelism on torch.distributed, as started by ``torchrun``.
 
-Each rank takes a disjoint shard of the blocks (rank r takes rows r, r + W, r + 2W, ...,
-so no block is dropped or counted twice when the count does not divide by W), sums
+Each rank takes a disjoint shard of the blocks (rank r takes batches r, r + W, ..., so no
+block is dropped or counted twice when the count does not divide by W), sums
 its accumulators locally in float64, and the sums are all-reduced. Rank 0 alone writes
 files and prints. Backend: gloo on CPU, nccl on CUDA, chosen automatically.
 
@@ -46,9 +46,16 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def shard_rows(n: int) -> list[int]:
-    """This rank's row indices of n rows (all of them outside torchrun)."""
-    return list(range(rank(), n, world_size()))
+def shard_rows(n: int, batch_size: int = 1) -> list[int]:
+    """This rank's row indices of n rows (all of them outside torchrun).
+
+    Whole batches are dealt out (batch b goes to rank b mod W), so each example is
+    computed in the same batch as in a single-process run and the results agree to
+    the last bit before the float64 sums; a last, short batch is never dropped.
+    """
+    n_batches = -(-n // batch_size)
+    return [row for b in range(rank(), n_batches, world_size())
+            for row in range(b * batch_size, min(n, (b + 1) * batch_size))]
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

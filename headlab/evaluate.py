@@ -148,7 +148,7 @@ def evaluate(model: HeadModel, blocks: Blocks, *, batch_size: int = 8) -> Qualit
         raise ValueError("embedding fidelity needs reference embeddings: call prepare() first")
     total_loss = total_count = total_correct = 0.0
     n_tokens = 0
-    blocks = blocks.subset(distributed.shard_rows(len(blocks)))  # all rows outside torchrun
+    blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     for batch in track(blocks.batches(batch_size), total=blocks.n_batches(batch_size),
                        description=f"evaluating {metric}"):
         loss, count, correct = example_losses(model, batch)

@@ -135,10 +135,11 @@ def score(
     if len(blocks) == 0:
         raise ValueError(f"{blocks.spec}: no blocks to score on")
     n_examples = len(blocks)
-    if n_examples < distributed.world_size():
-        raise ValueError(f"{n_examples} blocks cannot be shared by {distributed.world_size()} "
-                         "ranks; give more data or fewer processes")
-    blocks = blocks.subset(distributed.shard_rows(len(blocks)))
+    if -(-n_examples // batch_size) < distributed.world_size():
+        raise ValueError(f"{n_examples} blocks in batches of {batch_size} cannot be shared by "
+                         f"{distributed.world_size()} ranks; give more data, smaller batches "
+                         "or fewer processes")
+    blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     if method in ("michel", "fisher"):
         raw, n_tokens = _gradient_scores(model, blocks, batch_size, squared=method == "fisher",
                                          per_token=per_token, n_examples=n_examples,
