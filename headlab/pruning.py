@@ -262,6 +262,12 @@ def current_plan(model: HeadModel) -> PrunePlan:
 # ---------------------------------------------------------------------- HF export
 def hf_expressible(model: HeadModel) -> str | None:
     """None when the pruned shape fits the family's HF config; else the reason."""
+    import importlib
+
+    family = importlib.import_module(type(model).__module__)
+    unsupported = getattr(family, "HF_EXPORT_UNSUPPORTED", None)
+    if unsupported:
+        return unsupported
     heads = set(model.heads_per_layer)
     if len(heads) != 1 or 0 in heads:
         return (f"layers keep different numbers of heads ({model.heads_per_layer}); HF configs "
@@ -288,10 +294,7 @@ def export_hf(model: HeadModel, directory: str | Path) -> Path:
     reason = hf_expressible(model)
     if reason is not None:
         raise ValueError(f"cannot export to Hugging Face format: {reason}")
-    family = importlib.import_module(type(model).__module__)
-    if not hasattr(family, "to_hf"):
-        raise ValueError(f"HF export is not implemented for the {model.family} family")
-    config, state = family.to_hf(model)
+    config, state = importlib.import_module(type(model).__module__).to_hf(model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},

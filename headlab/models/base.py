@@ -287,6 +287,19 @@ def convert_state_dict(
     return out
 
 
+def invert_state_dict(
+    state: Mapping[str, torch.Tensor], wmap: WeightMap, n_layers: int, *, prefix: str
+) -> dict[str, torch.Tensor]:
+    """headlab names back to HF names, for maps without splits or transforms."""
+    if wmap.splits or wmap.transforms:
+        raise ValueError("this weight map splits or transforms tensors: invert it by hand")
+    names: dict[str, str] = {hl: _with_prefix(prefix, hf) for hf, hl in wmap.single.items()}
+    for i in range(n_layers):
+        names.update({hl.format(i): _with_prefix(prefix, hf.format(i))
+                      for hf, hl in wmap.per_layer.items()})
+    return {names[k]: v for k, v in state.items() if k in names}
+
+
 def _with_prefix(prefix: str, key: str) -> str:
     """Templates starting with '^' sit outside the backbone prefix (e.g. ``^lm_head.weight``)."""
     return key[1:] if key.startswith("^") else prefix + key

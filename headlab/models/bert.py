@@ -429,4 +429,11 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return model
 
 
+# Why `--export hf` keeps the headlab format for this family: a pruned layer has fewer
+# heads of the same size, which the HF config cannot say.
+HF_EXPORT_UNSUPPORTED = (
+    "HF BERT derives the head size from hidden_size / num_attention_heads, so a layer "
+    "with fewer heads has no HF config"
+)
+
 MODEL_CLASS = Bert

@@ -25,6 +25,7 @@ from headlab.models.base import (
     ModelOutput,
     WeightMap,
     convert_state_dict,
+    invert_state_dict,
     load_into,
 )
 
@@ -348,6 +349,43 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     load_into(model, state, what=f"{hf_config.get('model_type', 'llama')} checkpoint")
     return model
+
+
+def to_hf(model: Llama) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An HF config dict and state dict for a (uniformly pruned) Llama/Mistral.
+
+    HF Llama takes ``head_dim`` apart from ``hidden_size / num_attention_heads`` and
+    groups query heads contiguously per key/value head, so a model whose layers keep
+    the same number of heads and whole, equal groups is expressible as it is
+    (`headlab.pruning.hf_expressible` checks that before calling this).
+    """
+    cfg = model.config
+    mistral = cfg.sliding_window is not None
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope.update(cfg.rope_scaling)
+    hf = {
+        "model_type": "mistral" if mistral else "llama",
+        "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": model.heads_per_layer[0],
+        "num_key_value_heads": model.kv_heads_per_layer[0],
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+    }
+    if mistral:
+        hf["sliding_window"] = cfg.sliding_window
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.endswith(("head_ids", "kv_head_ids", "kv_index", "head_gate"))}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return hf, invert_state_dict(state, weight_map(cfg), cfg.num_hidden_layers, prefix="model.")
 
 
 MODEL_CLASS = Llama
