@@ -33,8 +33,11 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check headlab tests
 
+# the fast suite (plain pytest, under 10 minutes on 2 cores), then the slow end-to-end
+# tests: real-model quality bars, resume after SIGKILL, recipes, notebook, torchrun
 test: setup browser lint
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m slow
 
 bench: setup
 	$(BIN)/headlab bench all --quick

@@ -278,6 +278,7 @@ def test_smollm2_greedy_generate_matches_transformers(smol, hf_smol):
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_smollm2_left_padded_batch_generates_as_transformers(smol, hf_smol):
     ids, mask = _left_padded(smol.tokenizer, ["Once upon a time, in a small village,",
                                               "Hello, my name is"])

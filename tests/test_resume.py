@@ -55,7 +55,9 @@ def _kill_when(out: Path, ready, *args: str) -> None:
         proc.wait()
 
 
-COMMON = dict(seq_len=32, max_tokens=8192, batch_size=2, checkpoint_every=2)
+COMMON = dict(seq_len=32, max_tokens=4096, batch_size=2, checkpoint_every=2)
+
+pytestmark = pytest.mark.slow
 
 
 def test_killed_scoring_resumes_to_identical_scores(tiny_gpt2_dir, tmp_path):
