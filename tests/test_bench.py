@@ -1,0 +1,297 @@
+"""Tests for headlab.bench: structure of what the benchmarks write, not their speed.
+
+Every benchmark runs once at the "tiny" preset (random tiny models, one thread) and its
+JSON is checked: every figure has median and spread, every target has ratio, target and
+a ``meets`` that follows from the ratio. The FLOP counter is checked against counts done
+by hand; the hook-free reference against the real forward; the table against the targets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from headlab import bench
+from headlab.bench import (
+    PRESETS,
+    BenchResult,
+    Figure,
+    Target,
+    compile_without_hooks,
+    count_flops,
+    markdown_table,
+    run_benchmarks,
+    without_hook_checks,
+)
+from headlab.models.gpt2 import GPT2, GPT2Config
+from headlab.models.llama import Llama, LlamaConfig
+from headlab.runs import UserError
+
+NAMES = ["attention", "models", "hooks", "importance", "pruning", "generate"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """All benchmarks at the tiny preset, one thread (the machine may be shared)."""
+    out = tmp_path_factory.mktemp("bench")
+    results = run_benchmarks("all", quick=True, device="cpu", out=out, preset="tiny",
+                             threads=1)
+    return out, results
+
+
+# ---------------------------------------------------------------------- figures, targets
+def test_figure_median_and_interquartile_spread():
+    f = Figure.of([5.0, 1.0, 3.0, 2.0, 4.0], "ms")
+    assert (f.median, f.q1, f.q3, f.min, f.max, f.n) == (3.0, 2.0, 4.0, 1.0, 5.0, 5)
+    assert f.spread == 2.0
+    one = Figure.of([7.0], "x")
+    assert (one.median, one.spread) == (7.0, 0.0)
+    with pytest.raises(ValueError):
+        Figure.of([], "x")
+
+
+def test_meets_follows_the_ratio_on_hand_made_figures():
+    fig = Figure.of([0.90, 0.97, 1.05], "x")  # median 0.97
+    assert Target.judge("f", fig, target=0.95, op=">=", what="w").meets is True
+    assert Target.judge("f", fig, target=1.0, op=">=", what="w").meets is False
+    assert Target.judge("f", fig, target=1.02, op="<=", what="w").meets is True
+    assert Target.judge("f", fig, target=0.9, op="<=", what="w").meets is False
+    exact = Figure.of([1.3], "x")
+    assert Target.judge("f", exact, target=1.3, op="<=", what="w").meets is True
+    nan = Figure.of([math.nan], "x")
+    assert Target.judge("f", nan, target=0.0, op=">=", what="w").meets is False
+    with pytest.raises(ValueError, match="op"):
+        Target.judge("f", fig, target=1.0, op=">", what="w")
+
+
+def test_target_json_holds_ratio_target_and_meets():
+    r = BenchResult("demo")
+    r.add("speed", [0.8, 0.9, 1.0], "x")
+    t = r.add_target("speed", target=1.0, op=">=", what="demo speed")
+    j = r.to_json({"date": "d"})["targets"][0]
+    assert j["ratio"] == pytest.approx(0.9) and j["target"] == 1.0 and j["meets"] is False
+    assert j["meets"] is t.meets
+    assert j["spread"] == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------------- the tiny run
+@pytest.mark.parametrize("name", NAMES)
+def test_each_benchmark_writes_complete_json(tiny_run, name):
+    out, _ = tiny_run
+    d = json.loads((out / f"{name}.json").read_text())
+    assert d["benchmark"] == name and d["error"] is None
+    assert d["preset"] == "tiny" and d["device"] == "cpu"
+    assert {"headlab", "torch", "transformers"} <= set(d["versions"])
+    assert {"cpu", "cores", "torch_threads"} <= set(d["machine"])
+    assert d["machine"]["torch_threads"] == 1
+    assert d["date"]
+    assert d["figures"] and d["targets"]
+    for fname, fig in d["figures"].items():
+        assert {"median", "spread", "q1", "q3", "n", "unit"} <= set(fig), fname
+        assert fig["median"] is not None, fname
+        assert fig["q1"] <= fig["median"] <= fig["q3"], fname
+        assert fig["spread"] == pytest.approx(fig["q3"] - fig["q1"])
+    for t in d["targets"]:
+        assert {"ratio", "target", "meets", "op", "figure"} <= set(t)
+        assert t["ratio"] == d["figures"][t["figure"]]["median"]
+        expected = t["ratio"] >= t["target"] if t["op"] == ">=" else t["ratio"] <= t["target"]
+        assert t["meets"] is expected
+    for i in d["info"]:
+        assert i["figure"] in d["figures"]
+
+
+def test_each_benchmark_has_its_targets(tiny_run):
+    _, results = tiny_run
+    figures = {r.name: {t.figure for t in r.targets} for r in results}
+    assert figures["attention"] == {"speed_vs_sdpa_S16", "speed_vs_torch_mha_S16",
+                                    "speed_vs_sdpa_S32", "speed_vs_torch_mha_S32",
+                                    "decode_last_over_first"}
+    assert figures["models"] == {f"{m.name}.speed_vs_transformers"
+                                 for m in PRESETS["tiny"]["models"].models}
+    assert figures["hooks"] == {"idle_over_compiled_out"}
+    assert figures["importance"] == {"scoring_over_forward_backward"}
+    assert figures["pruning"] == {"B4_S16.drop_over_predicted"}
+    assert figures["generate"] == {"speed_vs_transformers"}
+
+
+def test_references_compute_the_same_function(tiny_run):
+    """The speed comparisons are only fair if both sides compute the same thing."""
+    _, results = tiny_run
+    by = {r.name: r for r in results}
+    for key, value in by["attention"].checks.items():
+        assert value < 1e-5, key
+    for key, value in by["models"].checks.items():
+        if key.endswith("max_abs_diff"):
+            assert value < 1e-4, key
+    assert by["hooks"].checks["reference_output_identical"] is True
+    gen = by["generate"].checks
+    assert gen["new_tokens"] == {"headlab": 8, "transformers": 8}
+
+
+def test_pruning_records_flops_and_prediction(tiny_run):
+    _, results = tiny_run
+    r = next(r for r in results if r.name == "pruning")
+    flops = r.checks["flops"]["B4_S16"]
+    assert flops["after"]["total"] < flops["before"]["total"]
+    assert flops["predicted_drop"] == pytest.approx(
+        1 - flops["after"]["total"] / flops["before"]["total"])
+    assert sum(r.checks["heads_per_layer_after"]) == 4  # half of 2 layers x 4 heads
+
+
+def test_memory_figures_come_from_a_real_measurement(tiny_run):
+    _, results = tiny_run
+    r = next(r for r in results if r.name == "hooks")
+    # the capture holds every pattern (B, H, S, S) float32 of both layers
+    expected = 2 * 2 * 4 * 16 * 16 * 4 / 2**20
+    assert r.figures["captured_mib"].median == pytest.approx(expected)
+    assert r.figures["capture_peak_mib"].median >= expected
+    assert r.figures["plain_forward_peak_mib"].median > 0
+
+
+def test_table_lists_every_target(tiny_run):
+    out, results = tiny_run
+    summary = (out / "summary.md").read_text()
+    for r in results:
+        for t in r.targets:
+            assert t.what in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and "---" not in line]
+    n_targets = sum(len(r.targets) for r in results)
+    n_info = sum(len(r.info) for r in results)
+    assert len(rows) == 1 + n_targets + n_info  # header + one row each
+
+
+def test_table_marks_misses_and_errors():
+    ok = BenchResult("a")
+    ok.add("x", [2.0], "x")
+    ok.add_target("x", target=1.0, op=">=", what="passes")
+    ok.add_target("x", target=3.0, op=">=", what="misses")
+    bad = BenchResult("b", error="RuntimeError: boom | bang")
+    table = markdown_table([ok, bad])
+    assert "| a | passes | 2 | 2–2 | >= 1 | yes |" in table
+    assert "| a | misses | 2 | 2–2 | >= 3 | **no** |" in table
+    assert "NOT MEASURED: RuntimeError: boom \\| bang" in table
+
+
+def test_run_prints_the_table(tmp_path, capsys):
+    run_benchmarks("attention", quick=True, device="cpu", out=tmp_path, preset="tiny",
+                   threads=1)
+    printed = capsys.readouterr().out
+    assert printed.startswith("| benchmark | measure |")
+    assert "decode: last 8 of 48 steps" in printed
+    assert (tmp_path / "attention.json").is_file()
+
+
+def test_a_failing_benchmark_is_recorded_not_skipped(tmp_path, monkeypatch):
+    def boom(sizes, *, device, models):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setitem(bench.BENCHMARKS, "attention", boom)
+    with pytest.raises(UserError, match="attention"):
+        run_benchmarks("attention", quick=True, device="cpu", out=tmp_path, preset="tiny")
+    d = json.loads((tmp_path / "attention.json").read_text())
+    assert d["error"] == "RuntimeError: no such kernel"
+    assert "NOT MEASURED" in (tmp_path / "summary.md").read_text()
+
+
+def test_bad_arguments_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="unknown benchmark"):
+        run_benchmarks("speed", quick=True, device="cpu", out=tmp_path)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA"):
+            run_benchmarks("attention", quick=True, device="cuda", out=tmp_path)
+
+
+# ---------------------------------------------------------------------- FLOPs
+def test_flops_of_a_tiny_gpt2_by_hand():
+    # E=8, H=2 (D=4), one layer, MLP 32, vocab 10; B=2, S=3 -> 6 tokens, 6 causal pairs
+    model = GPT2(GPT2Config(vocab_size=10, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                            n_inner=32))
+    f = count_flops(model, 2, 3)
+    assert f["projections"] == 4 * (2 * 8 * 8) * 6  # W_Q, W_K, W_V, W_O
+    assert f["attention"] == 2 * (2 * 2 * 2 * 4 * 6)  # QK^T and AV: 2 flops x B x H x D x pairs
+    assert f["mlp"] == 2 * (2 * 8 * 32) * 6
+    assert f["lm_head"] == 2 * 8 * 10 * 6
+    assert f["other"] == 0
+    assert f["total"] == 3072 + 384 + 6144 + 960
+
+    model.prune_heads({0: [1]})  # one head of 4 dims left: every projection halves
+    g = count_flops(model, 2, 3)
+    assert g["projections"] == 4 * (2 * 8 * 4) * 6
+    assert g["attention"] == 2 * (2 * 2 * 1 * 4 * 6)
+    assert (g["mlp"], g["lm_head"]) == (f["mlp"], f["lm_head"])
+
+
+def test_flops_of_a_tiny_llama_with_gqa_by_hand():
+    # E=8, H=4, H_kv=2, D=2, SwiGLU 16, vocab 10; B=1, S=4 -> 4 tokens, 10 causal pairs
+    model = Llama(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16,
+                              num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=16))
+    f = count_flops(model, 1, 4)
+    assert f["projections"] == (2 * 8 * 8 + 2 * 8 * 4 + 2 * 8 * 4 + 2 * 8 * 8) * 4
+    assert f["attention"] == 2 * (2 * 1 * 4 * 2 * 10)
+    assert f["mlp"] == 3 * (2 * 8 * 16) * 4
+    assert f["lm_head"] == 2 * 8 * 10 * 4
+    assert f["total"] == 1536 + 320 + 3072 + 640
+
+
+# ---------------------------------------------------------------------- hook-free reference
+def test_hook_checks_compile_out_of_a_forward():
+    from headlab.hookpoint import HookPoint, run_hook
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = HookPoint(), HookPoint()
+
+        def forward(self, x: torch.Tensor, flag: bool = False) -> torch.Tensor:
+            x = run_hook(self.a, x)
+            if self.b._forward_hooks:
+                x = self.b(x)
+            slow = flag or self.a._forward_hooks
+            return run_hook(self.b, x * 2) if not slow else x
+
+    fn, src = compile_without_hooks(Toy.forward)
+    assert "_forward_hooks" not in src and "run_hook" not in src
+    toy = Toy()
+    toy.a.register_forward_hook(lambda m, i, o: o + 100)
+    x = torch.ones(3)
+    assert torch.equal(fn(toy, x), x * 2)  # the hook is no longer reached
+    assert torch.equal(toy(x), torch.full((3,), 101.0))  # the class itself is untouched
+
+
+def test_model_without_hook_checks_matches_and_leaves_the_original_alone():
+    from headlab.hooks import capture
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2,
+                            n_head=2)).eval()
+    bare, rewritten = without_hook_checks(model)
+    assert rewritten == ["GPT2Block.forward", "MultiHeadAttention.forward"]
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, bare(ids).logits)
+        with capture(model, "pattern") as cap:
+            model(ids)
+        assert len(cap) == 2
+        with capture(bare, "pattern") as cap_bare:
+            bare(ids)
+        assert len(cap_bare) == 0  # no hook point is reached in the reference
+
+
+def test_peak_bytes_sees_a_temporary_allocation():
+    def make():
+        big = torch.ones(2**20)  # 4 MiB, freed before returning
+        return float(big.sum())
+
+    assert bench._peak_bytes(make, "cpu") >= 4 * 2**20
+
+
+def test_hook_free_copy_shares_the_weights():
+    model = GPT2(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    bare, _ = without_hook_checks(model)
+    for (name, p), q in zip(model.named_parameters(), bare.parameters(), strict=True):
+        assert p is q, name
+    assert bare.blocks[0].attn.head_gate is model.blocks[0].attn.head_gate
