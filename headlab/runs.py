@@ -90,13 +90,9 @@ class RunConfig:
     def validated(self) -> RunConfig:
         """Check types and ranges; raise UserError naming the key."""
         for f in fields(self):
-            v = getattr(self, f.name)
-            expected = {"int": int, "float": (int, float), "bool": bool, "str": str}
-            base = str(f.type).split(" | ")[0]
-            if v is not None and base in expected and not isinstance(v, expected[base]):
-                raise UserError(f"{f.name} must be {base}, got {v!r}")
-            if base in ("int", "float") and isinstance(v, bool):
-                raise UserError(f"{f.name} must be {base}, got {v!r}")
+            _check_type(f.name, str(f.type), getattr(self, f.name))
+        if not self.model:
+            raise UserError("model must name a model (a bundled name, directory, file or hub id)")
         if self.command not in COMMANDS:
             raise UserError(f"command must be one of {COMMANDS}, got {self.command!r}")
         for m in [self.method, *self.compare]:
@@ -119,6 +115,8 @@ class RunConfig:
         if self.batch_size < 1 or self.max_tokens < 1 or self.min_heads_per_layer < 0:
             raise UserError("--batch-size and --max-tokens must be >= 1, "
                             "--min-heads-per-layer >= 0")
+        if self.sample_tokens < 2 or self.latency_batch < 1 or self.latency_seq_len < 1:
+            raise UserError("sample_tokens must be >= 2, latency_batch and latency_seq_len >= 1")
         if self.seq_len is not None and self.seq_len < 4:
             raise UserError(f"--seq-len must be >= 4, got {self.seq_len}")
         if self.dtype not in _DTYPES:
@@ -133,6 +131,27 @@ class RunConfig:
         if not 0 < self.heldout < 1:
             raise UserError(f"heldout must be in (0, 1), got {self.heldout}")
         return self
+
+
+def _check_type(name: str, declared: str, value: Any) -> None:
+    """Check a value against its field's declared type ("float | None", "list[str]", ...)."""
+    kinds = [k.strip() for k in declared.split("|")]
+    if value is None:
+        if "None" in kinds:
+            return
+        raise UserError(f"{name} must be set (a {kinds[0]}), got nothing")
+    base = kinds[0]
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, int | float) and not isinstance(value, bool)
+        and math.isfinite(value),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+        "list[str]": isinstance(value, list) and all(isinstance(v, str) for v in value),
+    }.get(base, True)
+    if not ok:
+        raise UserError(f"{name} must be {'a finite ' if base == 'float' else ''}{base}, "
+                        f"got {value!r}")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

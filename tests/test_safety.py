@@ -93,3 +93,11 @@ def test_killed_writer_leaves_complete_json_or_nothing(tmp_path):
             assert len(data["payload"]) == 200_000
     leftovers = list(tmp_path.glob(".results.json.*.tmp"))
     assert len(leftovers) <= 3  # a killed process cannot clean its temp file; never renamed
+
+
+def test_nan_weights_are_refused_at_load(tiny_gpt2, tmp_path):
+    with torch.no_grad():
+        tiny_gpt2.blocks[1].attn.q_proj.weight[0, 0] = float("nan")
+    tiny_gpt2.save(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"blocks\.1\.attn\.q_proj\.weight.*NaN or inf"):
+        headlab.load(tmp_path / "m")

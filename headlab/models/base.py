@@ -343,6 +343,13 @@ def load_into(model: nn.Module, state: Mapping[str, torch.Tensor], *, what: str)
             f"{what}: weights do not fit the model: missing {missing[:8]}, "
             f"unexpected {unexpected[:8]}, wrong shapes {bad[:8]}"
         )
+    broken = sorted(k for k, v in state.items()
+                    if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if broken:
+        raise ValueError(
+            f"{what}: tensors {broken[:8]} hold NaN or inf values; the checkpoint is "
+            "corrupt (or was saved after a diverged run): headlab will not score it"
+        )
     model.load_state_dict(state, strict=False)
     for attn in getattr(model, "attentions", []):
         attn._refresh_layout()
