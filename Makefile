@@ -30,7 +30,7 @@ browser:
 	   $(SUDO) apt-get install -y -qq --no-install-recommends chromium chromium-driver)
 
 demo: setup
-	$(BIN)/headlab prune --model smollm2-135m --keep 0.6 --max-tokens 4096 \
+	$(BIN)/headlab prune --model smollm2-135m --keep 0.6 --max-tokens 2048 \
 	  --out reports/demo-smollm2 --overwrite
 
 lint: setup

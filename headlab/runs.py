@@ -71,7 +71,7 @@ class RunConfig:
     export: str | None = None
     sample_tokens: int = 64
     checkpoint_every: int = 10
-    latency_batch: int = 8
+    latency_batch: int = 4
     latency_seq_len: int = 128
 
     @classmethod
@@ -216,14 +216,13 @@ def build_data(cfg: RunConfig, model: HeadModel):
 
 
 @torch.inference_mode()
-def measure_latency(model: HeadModel, batch: int, seq_len: int, repeats: int = 7) -> float:
+def measure_latency(model: HeadModel, batch: int, seq_len: int, repeats: int = 5) -> float:
     """Median forward time (ms) on random tokens of (batch, seq_len), after warm-up."""
     seq_len = min(seq_len, model.max_positions)
     vocab = model.tokenizer.vocab_size if model.tokenizer is not None else 100
     ids = torch.randint(0, max(2, min(vocab, 1000)), (batch, seq_len),
                         generator=torch.Generator().manual_seed(0)).to(model.device)
-    for _ in range(2):  # warm-up: first calls pay for allocation and kernel selection
-        model(ids)
+    model(ids)  # warm-up: the first call pays for allocation and kernel selection
     times = []
     for _ in range(repeats):
         if model.device.type == "cuda":
