@@ -18,7 +18,7 @@ def set_enabled(on: bool) -> None:
 
 
 def track(items: Iterable[T], *, total: int | None = None, description: str = "") -> Iterator[T]:
-    """Iterate with a bar showing rate and ETA when bars are enabled."""
+    """Iterate with a bar showing count, rate and ETA when bars are enabled."""
     if not _enabled:
         yield from items
         return
@@ -27,14 +27,19 @@ def track(items: Iterable[T], *, total: int | None = None, description: str = ""
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        ProgressColumn,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(f"{task.speed:.2f} it/s" if task.speed else "-- it/s")
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.speed:.1f} it/s" if False else ""), TimeElapsedColumn(),
-               TextColumn("ETA"), TimeRemainingColumn())
+               RateColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
         task = bar.add_task(description, total=total)
         for item in items:
