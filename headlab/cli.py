@@ -62,8 +62,10 @@ def _setup(quiet: bool, json_mode: bool) -> None:
     # SIGTERM (a scheduler stopping the job) ends a run like Ctrl-C: status interrupted,
     # checkpoint saved, resumable.
     signal.signal(signal.SIGTERM, _interrupt)
-    quiet = quiet or int(os.environ.get("RANK", "0")) > 0  # torchrun: rank 0 prints
+    other_rank = int(os.environ.get("RANK", "0")) > 0  # torchrun: rank 0 alone prints
+    quiet = quiet or other_rank
     level = logging.WARNING if quiet or json_mode else logging.INFO
+    level = logging.ERROR if other_rank else level
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"
                                            if level > logging.INFO else "%(message)s"))

@@ -320,10 +320,10 @@ def run(cfg: RunConfig, *, resume: Path | None = None) -> tuple[Path, dict[str, 
                 stale.unlink()
         atomic_write_json(out / "config.json", cfg.to_dict())
         set_status(out, "running")
-    distributed.barrier()
-    checkpoint = Checkpoint(out, every=cfg.checkpoint_every)
     stage = _prune if cfg.command == "prune" else _score_only
     try:
+        distributed.barrier()
+        checkpoint = Checkpoint(out, every=cfg.checkpoint_every)
         results = stage(cfg, out, model, scoring, heldout, seq_len, checkpoint)
     except KeyboardInterrupt:
         if main:
