@@ -21,6 +21,9 @@ import torch
 log = logging.getLogger(__name__)
 
 BUNDLED_SPEC = "bundled:english"
+BUNDLED_WARNING = ("no --data given: using headlab's bundled English text (~15k words), "
+                   "too small for publishable numbers; name a dataset, e.g. "
+                   "--data wikitext:wikitext-2-raw-v1:test")
 _TEXT_COLUMNS = ("text", "sentence", "content", "document", "review", "question")
 _PAIR_COLUMNS = (("premise", "hypothesis"), ("sentence1", "sentence2"),
                  ("question", "sentence"), ("question1", "question2"))
@@ -94,12 +97,7 @@ def load_texts(
     """Read examples from ``spec`` (see the module docstring)."""
     if spec is None or spec == BUNDLED_SPEC:
         paragraphs = _paragraphs(bundled_text())
-        return TextData(
-            paragraphs, spec=BUNDLED_SPEC,
-            warning=("no --data given: using headlab's bundled English text (~15k words), "
-                     "too small for publishable numbers; name a dataset, e.g. "
-                     "--data wikitext:wikitext-2-raw-v1:test"),
-        )
+        return TextData(paragraphs, spec=BUNDLED_SPEC, warning=BUNDLED_WARNING)
     path = Path(spec)
     suffix = path.suffix.lower()
     if suffix in (".txt", ".jsonl", ".json", ".csv", ".tsv"):

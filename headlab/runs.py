@@ -24,7 +24,13 @@ import torch
 from headlab import __version__, distributed
 from headlab._io import atomic_write_json
 from headlab.checkpoint import Checkpoint
-from headlab.data import load_texts, make_blocks, split_blocks
+from headlab.data import (
+    BUNDLED_SPEC,
+    BUNDLED_WARNING,
+    load_texts,
+    make_blocks,
+    split_blocks,
+)
 from headlab.evaluate import evaluate, prepare
 from headlab.importance import METHODS, score
 from headlab.models.base import HeadModel
@@ -357,7 +363,7 @@ def _base_results(cfg: RunConfig, model: HeadModel, scoring, heldout, seq_len) -
         "keep": cfg.keep,
         "data": {"spec": scoring.spec, "scoring_tokens": scoring.n_tokens,
                  "heldout_tokens": heldout.n_tokens, "seq_len": seq_len,
-                 "warning": "bundled text: small" if scoring.spec.startswith("bundled") else None},
+                 "warning": BUNDLED_WARNING if scoring.spec == BUNDLED_SPEC else None},
         "heads_total": model.n_layers * model.n_original_heads,
         "config": cfg.to_dict(), "created": _now(), "versions": _versions(),
     }

@@ -238,14 +238,13 @@ def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
     if cached.is_dir():
         return _load_dir(cached, with_tokenizer)
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     hf = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     state = {k: v.detach() for k, v in hf.state_dict().items()}
-    model = _family(hf_config.model_type).from_hf(hf_config.to_dict(), state, path=None)
+    model = _family(hf.config.model_type).from_hf(hf.config.to_dict(), state, path=None)
     del hf
     model.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     # saved beside, then renamed: a killed conversion never leaves a half cache
