@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from headlab.hookpoint import HookPoint, run_hook
+from headlab.linear import Linear
 
 __all__ = ["KVCache", "Mask", "MultiHeadAttention", "apply_rotary"]
 
@@ -275,10 +276,10 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        self.q_proj = Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(n_heads * head_dim, d_model, bias=out_bias)
 
         # original indices of the heads still present, and each query head's kv head
         self.register_buffer("head_ids", torch.arange(n_heads), persistent=True)
@@ -422,6 +423,8 @@ class MultiHeadAttention(nn.Module):
 
     def _fast(self, q, k, v, mask: Mask) -> torch.Tensor:
         """SDPA path: no weights materialised. Returns z (B, H, S, D)."""
+        if q.shape[2] == 1 and mask.allowed is None and mask.bias is None and self._kv_regular:
+            return self._one_query(q, k, v)
         gqa = not self._kv_identity and self._kv_regular
         if not self._kv_identity and not self._kv_regular:
             k, v = self._expand_kv(k), self._expand_kv(v)
@@ -434,6 +437,22 @@ class MultiHeadAttention(nn.Module):
             q, k, v, attn_mask=attn, dropout_p=dropout, is_causal=mask.causal_only,
             scale=self.scale, enable_gqa=gqa,
         )
+
+    def _one_query(self, q, k, v) -> torch.Tensor:
+        """One query per row attending to every key (a decoding step without padding).
+
+        Two small products and a softmax: on 2 CPU threads SDPA's flash kernel took
+        about 3x as long for one query over a few hundred keys.
+        q (B, H, 1, D), k and v (B, H_kv, T, D) with regular groups. Returns (B, H, 1, D).
+        """
+        B, H, _, D = q.shape
+        H_kv = k.shape[1]
+        q = q.reshape(B, H_kv, H // H_kv, D)  # (B, H_kv, G, D): head h uses group h // G
+        dropout = self.dropout if self.training else 0.0
+        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * self.scale, dim=-1)
+        if dropout:
+            weights = F.dropout(weights, p=dropout)
+        return torch.matmul(weights, v).reshape(B, H, 1, D)  # (B, H_kv, G, D) -> (B, H, 1, D)
 
     def _eager(self, q, k, v, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
         """Materialise per-head weights. Returns z (B, H, S, D) and weights (B, H, S, T)."""
@@ -576,7 +595,7 @@ def _slice_linear(lin: nn.Linear, index: torch.Tensor, *, dim: int) -> nn.Linear
     new_bias = None
     if bias is not None:
         new_bias = bias.detach().index_select(0, index) if dim == 0 else bias.detach()
-    new = skip_init(nn.Linear, w.shape[1], w.shape[0], bias=bias is not None,
+    new = skip_init(type(lin), w.shape[1], w.shape[0], bias=bias is not None,
                     device=w.device, dtype=w.dtype)
     with torch.no_grad():
         new.weight.copy_(w)

@@ -27,6 +27,7 @@ from torch import nn
 
 from headlab.attention import Mask, MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
+from headlab.linear import Linear
 from headlab.models.base import (
     FamilyConfig,
     HeadModel,
@@ -108,8 +109,8 @@ class BertConfig(FamilyConfig):
 class BertMLP(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.fc = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +149,7 @@ class BertMLMHead(nn.Module):
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dense = Linear(cfg.hidden_size, cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
@@ -198,8 +199,8 @@ class Bert(HeadModel):
         if head == "mlm":
             self.mlm = BertMLMHead(config)
         elif head == "classifier":
-            self.pooler = nn.Linear(E, E)
-            self.classifier = nn.Linear(E, config.num_labels)
+            self.pooler = Linear(E, E)
+            self.classifier = Linear(E, config.num_labels)
 
     @property
     def max_positions(self) -> int:
