@@ -11,6 +11,8 @@ process, on the same weights and inputs.
     pruning     latency drop of a model pruned to keep 0.5 vs the FLOP-predicted drop
     generate    SmolLM2 greedy decoding tokens/s vs transformers' generate, and the
                 fraction of the memory-bandwidth bound
+    quality     held-out quality lost when pruning with michel vs with random scores
+                (3 seeds), on the real bundled SmolLM2 and MiniLM; not a timing
 
 How timings are taken (the machines this runs on are shared, so absolute times drift):
 the thread count is pinned; each contender is warmed up; then ``repeats`` rounds run every
@@ -329,6 +331,17 @@ class GenerateSizes:
     copy_mib: int = 512
 
 
+@dataclass(frozen=True)
+class QualitySizes:
+    # (bundled model, sequence length, token budget): real models only, as random
+    # weights have no heads worth keeping
+    runs: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 128, 4096),
+                                               ("minilm-l6", 128, 8192))
+    keep: float = 0.6
+    step: float = 0.2
+    batch: int = 4
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {
         "attention": AttentionSizes(),
@@ -337,6 +350,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "importance": ImportanceSizes(),
         "pruning": PruningSizes(),
         "generate": GenerateSizes(),
+        "quality": QualitySizes(),
     },
     # about two minutes on two cores once the SmolLM2 weights are cached
     "quick": {
@@ -346,6 +360,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "importance": ImportanceSizes(batch=1, seq=64, repeats=2),
         "pruning": PruningSizes(shapes=((16, 16), (1, 16)), repeats=5),
         "generate": GenerateSizes(new_tokens=32, repeats=2, copy_mib=256),
+        "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048))),
     },
     # for the tests: seconds, random tiny models only
     "tiny": {
@@ -360,6 +375,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pruning": PruningSizes(model=TINY_GPT2, shapes=((4, 16), (1, 16)), repeats=3),
         "generate": GenerateSizes(model=TINY_LLAMA, prompt=4, new_tokens=8, repeats=3,
                                   copy_mib=4),
+        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4),
     },
 }
 
@@ -1212,6 +1228,47 @@ def bench_generate(sizes: GenerateSizes, *, device: str = "cpu",
     return res
 
 
+# ---------------------------------------------------------------------- quality
+def bench_quality(sizes: QualitySizes, *, device: str = "cpu",
+                  models: ModelCache | None = None) -> BenchResult:
+    """Held-out quality lost with michel vs random scores (3 seeds), real models."""
+    import headlab
+    from headlab.pruning import versus_random
+
+    res = BenchResult("quality", config={**sizes.__dict__, "dtype": "float32"})
+    res.method = {
+        "data": "the bundled English text in blocks of the given length under the token "
+                "budget, split in half (seed 0): scoring blocks choose the heads, held-out "
+                "blocks measure",
+        "pruning": f"headlab.prune_to_target(method, keep={sizes.keep}, schedule="
+                   f"'iterative', step={sizes.step}) from the unpruned model, for michel and "
+                   "for random with seeds 0, 1, 2 (headlab.pruning.versus_random)",
+        "lost": "held-out perplexity increase (causal LM) or fidelity decrease (sentence "
+                "embeddings) after pruning",
+        "ratio": "lost with michel / mean lost with random (target <= 0.5)",
+    }
+    for name, seq_len, max_tokens in sizes.runs:
+        model = headlab.load(name, device=device)
+        blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
+                                     seq_len=seq_len, max_tokens=max_tokens)
+        scoring, heldout = headlab.split_blocks(blocks, seed=0)
+        result = versus_random(model, headlab.prepare(model, scoring, seed=0),
+                               headlab.prepare(model, heldout, seed=1), method="michel",
+                               keep=sizes.keep, step=sizes.step, batch_size=sizes.batch)
+        res.checks[f"{name}.result"] = result
+        res.checks[f"{name}.tokens"] = {"scoring": int(scoring.attention_mask.sum()),
+                                        "heldout": int(heldout.attention_mask.sum())}
+        res.add(f"{name}.{result['metric']}_before", [result["before"]], result["metric"])
+        res.add(f"{name}.michel_lost", [result["lost"]["michel"]], result["metric"])
+        res.add(f"{name}.random_lost", [v for k, v in result["lost"].items()
+                                        if k.startswith("random:")], result["metric"])
+        res.add(f"{name}.michel_over_random", [result["ratio"]], "x")
+        res.add_target(f"{name}.michel_over_random", target=0.5, op="<=",
+                       what=f"{name} {result['metric']} lost at keep {sizes.keep}, michel / "
+                            f"mean of 3 random seeds (S={seq_len}, {max_tokens} tokens)")
+    return res
+
+
 # ---------------------------------------------------------------------- driver
 BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "attention": bench_attention,
@@ -1220,6 +1277,7 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "importance": bench_importance,
     "pruning": bench_pruning,
     "generate": bench_generate,
+    "quality": bench_quality,
 }
 
 

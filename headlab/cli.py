@@ -393,7 +393,7 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) ->
 @app.command()
 def bench(
     which: Annotated[str, typer.Argument(
-        help="attention|models|hooks|importance|pruning|generate|all")] = "all",
+        help="attention|models|hooks|importance|pruning|generate|quality|all")] = "all",
     quick: Annotated[bool, typer.Option(help="Small sizes, about 2 minutes.")] = False,
     device: Annotated[Device, typer.Option()] = Device.cpu,
     out: Annotated[Path, typer.Option(help="Where the JSON files go.")] = Path("reports/bench"),

@@ -248,6 +248,46 @@ def prune_to_target(
     return PruneResult(current_plan(model), step_scores[0], curve, step_scores)
 
 
+def versus_random(
+    model: HeadModel,
+    scoring: Blocks,
+    heldout: Blocks,
+    *,
+    method: str = "michel",
+    keep: float = 0.6,
+    seeds: tuple[int, ...] = (0, 1, 2),
+    **prune_kw,
+) -> dict:
+    """Held-out quality lost by pruning with ``method`` vs with random scores.
+
+    Prunes (by masking) to ``keep`` once with ``method`` and once per random seed, all
+    from the unpruned model, and restores the model after each. A loss is the change
+    in the model's metric in its bad direction (perplexity up, fidelity or accuracy
+    down). Returns ``{"metric", "before", "lost": {method, "random:<seed>": ...},
+    "random_mean", "ratio"}``: ``ratio`` = lost by ``method`` / mean lost by random;
+    under 1 the scorer beats chance, and Michel et al.'s claim is that it does by far.
+    """
+    before = evaluate(model, heldout, batch_size=prune_kw.get("batch_size", 8))
+    sign = -1 if before.higher_is_better else 1
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    lost: dict[str, float] = {}
+    runs = [(method, 0)] + [("random", s) for s in seeds]
+    try:
+        for name, seed in runs:
+            prune_to_target(model, scoring, heldout, method=name, keep=keep, seed=seed,
+                            **prune_kw)
+            after = evaluate(model, heldout, batch_size=prune_kw.get("batch_size", 8))
+            lost[name if name != "random" else f"random:{seed}"] = (
+                sign * (after.value - before.value))
+            model.load_state_dict(state)  # gates back to the unpruned model's
+    finally:
+        model.load_state_dict(state)
+    random_mean = sum(lost[f"random:{s}"] for s in seeds) / len(seeds)
+    return {"metric": before.metric, "before": before.value, "lost": lost,
+            "random_mean": random_mean,
+            "ratio": lost[method] / random_mean if random_mean > 0 else math.nan}
+
+
 def current_plan(model: HeadModel) -> PrunePlan:
     """The plan a model's gates describe: present heads with gate 0 are to be pruned."""
     kept, pruned = {}, {}
