@@ -423,8 +423,6 @@ class MultiHeadAttention(nn.Module):
 
     def _fast(self, q, k, v, mask: Mask) -> torch.Tensor:
         """SDPA path: no weights materialised. Returns z (B, H, S, D)."""
-        if q.shape[2] == 1 and mask.allowed is None and mask.bias is None and self._kv_regular:
-            return self._one_query(q, k, v)
         gqa = not self._kv_identity and self._kv_regular
         if not self._kv_identity and not self._kv_regular:
             k, v = self._expand_kv(k), self._expand_kv(v)
@@ -437,22 +435,6 @@ class MultiHeadAttention(nn.Module):
             q, k, v, attn_mask=attn, dropout_p=dropout, is_causal=mask.causal_only,
             scale=self.scale, enable_gqa=gqa,
         )
-
-    def _one_query(self, q, k, v) -> torch.Tensor:
-        """One query per row attending to every key (a decoding step without padding).
-
-        Two small products and a softmax: on 2 CPU threads SDPA's flash kernel took
-        about 3x as long for one query over a few hundred keys.
-        q (B, H, 1, D), k and v (B, H_kv, T, D) with regular groups. Returns (B, H, 1, D).
-        """
-        B, H, _, D = q.shape
-        H_kv = k.shape[1]
-        q = q.reshape(B, H_kv, H // H_kv, D)  # (B, H_kv, G, D): head h uses group h // G
-        dropout = self.dropout if self.training else 0.0
-        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * self.scale, dim=-1)
-        if dropout:
-            weights = F.dropout(weights, p=dropout)
-        return torch.matmul(weights, v).reshape(B, H, 1, D)  # (B, H_kv, G, D) -> (B, H, 1, D)
 
     def _eager(self, q, k, v, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
         """Materialise per-head weights. Returns z (B, H, S, D) and weights (B, H, S, T)."""
