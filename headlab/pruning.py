@@ -267,21 +267,19 @@ def versus_random(
     "random_mean", "ratio"}``: ``ratio`` = lost by ``method`` / mean lost by random;
     under 1 the scorer beats chance, and Michel et al.'s claim is that it does by far.
     """
-    before = evaluate(model, heldout, batch_size=prune_kw.get("batch_size", 8))
+    batch_size = prune_kw.get("batch_size", 8)
+    before = evaluate(model, heldout, batch_size=batch_size)
     sign = -1 if before.higher_is_better else 1
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gates = [g.clone() for g in model.gates()]  # prune_to_target changes nothing else
     lost: dict[str, float] = {}
-    runs = [(method, 0)] + [("random", s) for s in seeds]
-    try:
-        for name, seed in runs:
+    for name, seed in [(method, 0)] + [("random", s) for s in seeds]:
+        try:
             prune_to_target(model, scoring, heldout, method=name, keep=keep, seed=seed,
                             **prune_kw)
-            after = evaluate(model, heldout, batch_size=prune_kw.get("batch_size", 8))
-            lost[name if name != "random" else f"random:{seed}"] = (
-                sign * (after.value - before.value))
-            model.load_state_dict(state)  # gates back to the unpruned model's
-    finally:
-        model.load_state_dict(state)
+            after = evaluate(model, heldout, batch_size=batch_size)
+        finally:
+            model.set_gates(gates)
+        lost[name if name != "random" else f"random:{seed}"] = sign * (after.value - before.value)
     random_mean = sum(lost[f"random:{s}"] for s in seeds) / len(seeds)
     return {"metric": before.metric, "before": before.value, "lost": lost,
             "random_mean": random_mean,

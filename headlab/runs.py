@@ -436,7 +436,7 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
     curves: dict[str, list[dict]] = {}
     for method in [m for m in cfg.compare if m != cfg.method]:
         log.info("comparison curve: %s", method)
-        state = {k: v.clone() for k, v in model.state_dict().items()}
+        gates = [g.clone() for g in model.gates()]  # prune_to_target changes nothing else
         res = prune_to_target(model, scoring, heldout, method=method, keep=cfg.keep,
                               prune=cfg.prune, schedule=cfg.schedule, step=cfg.step,
                               per_layer=cfg.per_layer,
@@ -444,7 +444,7 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
                               batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw,
                               checkpoint=checkpoint)
         curves[method] = res.curve
-        model.load_state_dict(state)  # gates back to 1 for the next method
+        model.set_gates(gates)  # back to the unpruned gates for the next method
 
     log.info("scoring and pruning with %s (%s)", cfg.method, cfg.schedule)
     res = prune_to_target(model, scoring, heldout, method=cfg.method, keep=cfg.keep,
