@@ -46,11 +46,9 @@ class Linear(nn.Linear):
             and x.device.type == "cpu"
             and 0 < x.numel() <= MAX_SPLIT_ROWS * w.shape[1]
             and w.numel() >= MIN_SPLIT_WEIGHT
+            and (w.is_contiguous() or w.t().is_contiguous())  # row- or input-major
         ):
-            if w.is_contiguous():
-                return _split_rows(x, w, self.bias, parts)
-            if w.t().is_contiguous():
-                return _split_columns(x, w.t(), self.bias, parts)
+            return _split_product(x, w, self.bias, parts)
         return F.linear(x, w, self.bias)
 
 
@@ -66,35 +64,21 @@ def store_input_major(weight: nn.Parameter) -> None:
     weight.data = weight.data.t().contiguous().t()
 
 
-def _split_rows(
+def _split_product(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, parts: int
 ) -> torch.Tensor:
     """x (..., K) @ w (N, K)^T with w's N rows in ``parts`` blocks, one per thread.
 
-    When ``parts`` does not divide N (GPT-2's 50257 words), the last N % parts rows
-    are multiplied on their own and appended.
+    ``w`` is row-major or stored input-major (`store_input_major`); the blocks are
+    views either way. When ``parts`` does not divide N (GPT-2's 50257 words), the last
+    N % parts rows are multiplied on their own and appended.
     """
     N, K = w.shape
     block = N // parts
     rows = x.reshape(1, -1, K).expand(parts, -1, K)  # (P, M, K), no copy
-    blocks = w[: parts * block].view(parts, block, K).transpose(1, 2)  # (P, K, N/P), no copy
+    blocks = w[: parts * block].unflatten(0, (parts, block)).transpose(1, 2)  # (P, K, N/P)
     y = torch.bmm(rows, blocks)  # (P, M, N/P)
     y = y.transpose(0, 1).reshape(*x.shape[:-1], parts * block)  # (..., P * N/P)
     if parts * block < N:
         y = torch.cat([y, F.linear(x, w[parts * block :])], dim=-1)  # (..., N)
-    return y if bias is None else y + bias
-
-
-def _split_columns(
-    x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, parts: int
-) -> torch.Tensor:
-    """x (..., K) @ w_t (K, N) for a weight stored input-major, in ``parts`` column blocks."""
-    K, N = w_t.shape
-    block = N // parts
-    rows = x.reshape(1, -1, K).expand(parts, -1, K)  # (P, M, K)
-    blocks = w_t[:, : parts * block].unflatten(1, (parts, block)).transpose(0, 1)  # (P, K, N/P)
-    y = torch.bmm(rows, blocks)  # (P, M, N/P)
-    y = y.transpose(0, 1).reshape(*x.shape[:-1], parts * block)
-    if parts * block < N:
-        y = torch.cat([y, x @ w_t[:, parts * block :]], dim=-1)
     return y if bias is None else y + bias

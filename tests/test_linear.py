@@ -84,7 +84,7 @@ def test_input_major_keeps_values_and_survives_load_state_dict():
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Count calls of the two split paths."""
+    """Count calls of the split path."""
 
     class Spy:
         calls = 0
@@ -96,6 +96,5 @@ def spy(monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(hl_linear, "_split_rows", wrap(hl_linear._split_rows))
-    monkeypatch.setattr(hl_linear, "_split_columns", wrap(hl_linear._split_columns))
+    monkeypatch.setattr(hl_linear, "_split_product", wrap(hl_linear._split_product))
     return Spy
