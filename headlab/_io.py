@@ -1,4 +1,5 @@
-"""Atomic file writes: a killed run leaves the old file or the new one, never half of one."""
+"""Files: atomic writes (a killed run leaves the old file or the new one, never half of
+one) and the folder headlab caches conversions and builds in."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def cache_root() -> Path:
+    """``HEADLAB_CACHE``, else ``~/.cache/headlab``: GGUF conversions, built kernels."""
+    return Path(os.environ.get("HEADLAB_CACHE", Path.home() / ".cache" / "headlab"))
 
 
 @contextlib.contextmanager

@@ -62,7 +62,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from headlab._io import atomic_write_json, atomic_write_text
+from headlab import kernels
+from headlab._io import atomic_write_json, atomic_write_text, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -573,11 +574,6 @@ _HF_CLASSES = {  # family -> (config class, auto class): GPT2LMHeadModel, BertMo
 }
 
 
-def _cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "headlab" / "bench"
-
-
 def _bundled_checkpoint(name: str) -> tuple[Path, str]:
     """A safetensors copy of a bundled GGUF as transformers dequantises it, made once."""
     import transformers
@@ -586,7 +582,7 @@ def _bundled_checkpoint(name: str) -> tuple[Path, str]:
 
     gguf = bundled_path(name)
     st = gguf.stat()
-    target = _cache_root() / f"{name}-{st.st_size}-{st.st_mtime_ns}"
+    target = cache_root() / "bench" / f"{name}-{st.st_size}-{st.st_mtime_ns}"
     source = f"{gguf.name} dequantised by transformers (float32)"
     if (target / "config.json").is_file():
         return target, f"{source}, cached at {target}"
@@ -1176,6 +1172,7 @@ def bench_generate(sizes: GenerateSizes, *, device: str = "cpu",
     try:
         model, hf, source = cache.pair(sizes.model)
         res.checks["weights"] = source
+        res.checks["decode_products"] = kernels.status()  # see headlab.kernels
         prompt = _random_ids(_vocab(model), 1, sizes.prompt, device, seed=3)
         mask = torch.ones_like(prompt)
         eos = hf.config.eos_token_id

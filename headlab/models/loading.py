@@ -25,6 +25,7 @@ from types import ModuleType
 
 import torch
 
+from headlab._io import cache_root
 from headlab.models.base import HEADLAB_FORMAT, HeadModel, load_into
 
 log = logging.getLogger(__name__)
@@ -222,9 +223,8 @@ def gguf_cache_dir(path: Path) -> Path:
 
     The key holds the file's name, size and modification time, so a changed file is
     converted again."""
-    root = Path(os.environ.get("HEADLAB_CACHE", Path.home() / ".cache" / "headlab"))
     st = path.stat()
-    return root / "gguf" / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+    return cache_root() / "gguf" / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
 
 
 def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
