@@ -181,6 +181,14 @@ def test_single_curve_is_drawn_under_the_method_name(tmp_path, full_results):
     r = {k: v for k, v in full_results.items() if k != "curves"}
     html = build_report(r, tmp_path / "r.html").read_text("utf-8")
     assert re.findall(r'data-method="([^"]*)"', html) == ["michel"]
+    assert "grey, dashed" not in html  # no random curve is drawn, so none is described
+    assert "No <code>random</code> curve was run" in html
+
+
+def test_random_curve_is_described_when_drawn(tmp_path, full_results):
+    html = build_report(full_results, tmp_path / "r.html").read_text("utf-8")
+    assert "random" in re.findall(r'data-method="([^"]*)"', html)
+    assert "<code>random</code> (grey, dashed) is the floor" in html
 
 
 def test_missing_required_key_is_an_actionable_error(tmp_path):

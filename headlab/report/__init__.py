@@ -86,6 +86,7 @@ def _render(results: dict) -> str:
         per_layer=_context.per_layer_rows(results),
         config=_context.config_rows(results.get("config")),
         figures=_context.figures(results, mask),
+        random_curve="random" in _context.run_curves(results),
         cluster_method=_context.get(results, "clusters", "method"),
         stats=_context.statistics_table(results, mask),
         files=_context.file_links(results),

@@ -265,13 +265,19 @@ def sample_view(results: dict) -> tuple[dict | None, str]:
             "attention": {"shape": list(shape), "data": att["data"]}}, ""
 
 
+def run_curves(results: dict) -> dict:
+    """Method -> pruning curve: the compared ``curves``, else the run's own ``curve``."""
+    curves = results.get("curves")
+    if isinstance(curves, dict) and curves:
+        return curves
+    curve = results.get("curve")
+    return {str(results.get("method")): curve} if isinstance(curve, list) else {}
+
+
 def figures(results: dict, mask: list[list[bool]] | None) -> dict[str, Markup]:
     """The three static SVG figures; an empty Markup where the data is missing."""
     q = _dict(results.get("quality"))
-    curves = results.get("curves")
-    if not isinstance(curves, dict) or not curves:
-        curve = results.get("curve")
-        curves = {str(results.get("method")): curve} if isinstance(curve, list) else {}
+    curves = run_curves(results)
     total, kept = _num(results.get("heads_total")), _num(results.get("heads_kept"))
     run_fraction = 1 - kept / total if results.get("kept_heads") and total and kept is not None \
         else None
