@@ -253,12 +253,14 @@ def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Block
     rows, total, n_truncated = [], 0, 0
     for i, text in enumerate(data.texts):
         second = data.pairs[i] if data.pairs is not None else None
-        enc = tokenizer(text, second, truncation=True, max_length=seq_len)["input_ids"]
+        enc = tokenizer(text, second)["input_ids"]
+        truncated = len(enc) > seq_len
+        if truncated:  # encode again: the tokenizer knows how to cut a pair
+            enc = tokenizer(text, second, truncation=True, max_length=seq_len)["input_ids"]
         # at most max_tokens, but always the first row
         if max_tokens is not None and rows and total + len(enc) > max_tokens:
             break
-        full = tokenizer(text, second, add_special_tokens=True)["input_ids"]
-        n_truncated += len(full) > len(enc)
+        n_truncated += truncated
         rows.append((i, enc))
         total += len(enc)
     if n_truncated:

@@ -203,6 +203,17 @@ def test_row_blocks_pad_and_keep_labels(bpe_tokenizer, caplog):
     assert "2 of 3 examples were longer than 4 tokens" in caplog.text
 
 
+def test_truncated_rows_are_the_tokenizers_own_cut_and_counted_once(bpe_tokenizer, caplog):
+    data = TextData(["a somewhat longer sentence here"] * 3, pairs=["and its pair"] * 3,
+                    labels=[0, 1, 2])
+    with caplog.at_level(logging.WARNING, logger="headlab.data"):
+        blocks = make_blocks(data, bpe_tokenizer, kind="classifier", seq_len=6, max_tokens=12)
+    assert len(blocks) == 2  # the budget holds two rows of 6
+    cut = bpe_tokenizer(data.texts[0], data.pairs[0], truncation=True, max_length=6)
+    assert blocks.input_ids.tolist() == [cut["input_ids"]] * 2
+    assert "2 of 2 examples were longer than 6 tokens" in caplog.text
+
+
 def test_row_blocks_stop_at_the_token_budget(bpe_tokenizer):
     data = TextData([f"example number {i} of many" for i in range(50)],
                     labels=list(range(50)))
