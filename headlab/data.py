@@ -88,6 +88,10 @@ class Blocks:
 
 
 def bundled_text() -> str:
+    """headlab's offline evaluation text (~15k words), written for it in many registers:
+    fiction, essays, a hire contract, an appliance manual, a recipe, two paper abstracts.
+    Everything in it is invented, the abstracts' studies and numbers included: it is
+    text to measure a model on, not a source of facts."""
     return resources.files("headlab.resources").joinpath("english.txt").read_text("utf-8")
 
 
