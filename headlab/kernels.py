@@ -10,8 +10,8 @@ two-thread ``sum`` over the same memory.
 The source is compiled on first use with ``$CC`` (default ``cc``) and ``-O3
 -march=native -fopenmp`` (well under a second) into ``<cache>/kernels/<key>/``, where
 the key covers the source, the compiler, the flags and the CPU; later processes load
-the built file. It is called through ctypes and links the OpenMP runtime torch has
-already loaded, so ``torch.set_num_threads`` governs it as it governs torch.
+the built file. It is called through ctypes, links the OpenMP runtime torch has
+already loaded and runs on ``torch.get_num_threads()`` threads, as torch's own ops do.
 
 Without a C compiler, or with ``HEADLAB_KERNELS=0``, ``linear_rows`` returns None and
 callers use torch's products: same results within float32 rounding, slower decoding.
@@ -71,7 +71,7 @@ def linear_rows(
     y = torch.empty(*x.shape[:-1], N)
     fn(
         x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        x.numel() // K, N, K,
+        x.numel() // K, N, K, torch.get_num_threads(),
     )
     return y
 
@@ -146,7 +146,7 @@ def _cpu() -> str:
 def _load(lib: Path):
     fn = ctypes.CDLL(str(lib)).headlab_linear_rows
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     return fn
 
 
@@ -159,7 +159,7 @@ def _agrees(fn) -> bool:
         for bias in (b, None):
             y = torch.empty(M, N)
             fn(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
-               y.data_ptr(), M, N, K)
+               y.data_ptr(), M, N, K, 2)
             ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
             if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4):
                 return False

@@ -4,7 +4,7 @@
  * decoding), float32, every array contiguous. Each thread takes one contiguous run of
  * 4-row tiles of w; a tile (4 x K floats) is read from memory once and stays in L1 for
  * the M rows of x. Built and loaded by headlab/kernels.py, which links the OpenMP
- * runtime torch has already loaded, so torch.set_num_threads applies here too.
+ * runtime torch has already loaded, so both share one pool of threads.
  */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -60,12 +60,13 @@ static float dot1(const float *x, const float *w, long K) {
     return s;
 }
 
-/* x (M, K), w (N, K), bias (N,) or NULL, y (M, N) */
+/* x (M, K), w (N, K), bias (N,) or NULL, y (M, N); threads: torch.get_num_threads(),
+ * passed in because a thread other than the one torch configured has its own default */
 void headlab_linear_rows(const float *x, const float *w, const float *bias, float *y,
-                         long M, long N, long K) {
+                         long M, long N, long K, int threads) {
     const long tiles = N / 4;
     /* a small product is not worth waking the other threads */
-    #pragma omp parallel for schedule(static) if (N * K >= 32768)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (N * K >= 32768)
     for (long t = 0; t < tiles; ++t) {
         const long n = 4 * t;
         float out[4];
