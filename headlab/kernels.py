@@ -57,13 +57,17 @@ def linear_rows(
     the kernel holds one weight tile in L1 while it visits every row.
     """
     fn = _kernel()[0]
-    if (
-        fn is None
-        or x.dtype != torch.float32
-        or w.dtype != torch.float32
-        or x.device.type != "cpu"
-        or not w.is_contiguous()
-        or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
+    # anything else falls to torch, which computes it or raises a readable error: the
+    # kernel trusts its pointers and sizes
+    if fn is None or w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[1]:
+        return None
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x, w)) or not (
+        w.is_contiguous()
+    ):
+        return None
+    if bias is not None and (
+        bias.dtype != torch.float32 or bias.device.type != "cpu" or not bias.is_contiguous()
+        or bias.shape != (w.shape[0],)
     ):
         return None
     N, K = w.shape

@@ -76,7 +76,9 @@ def test_linear_takes_the_kernel_without_grad_and_autograd_with_it(monkeypatch):
 
 @needs_cc
 @pytest.mark.parametrize(
-    "case", ["float64", "input-major weight", "float64 bias", "strided bias"]
+    "case",
+    ["float64", "input-major weight", "float64 bias", "strided bias", "meta weight",
+     "wrong input width", "wrong bias length"],
 )
 def test_kernel_declines_what_it_does_not_compute(case):
     x, w, b = torch.randn(1, 64), torch.randn(32, 64), torch.randn(32)
@@ -86,9 +88,21 @@ def test_kernel_declines_what_it_does_not_compute(case):
         w = w.t().contiguous().t()
     elif case == "float64 bias":
         b = b.double()
-    else:
+    elif case == "strided bias":
         b = torch.randn(64)[::2]
+    elif case == "meta weight":
+        w = w.to("meta")
+    elif case == "wrong input width":
+        x = torch.randn(1, 63)
+    else:
+        b = torch.randn(31)
     assert kernels.linear_rows(x, w, b) is None
+
+
+@needs_cc
+def test_a_wrong_shape_is_torchs_error_not_a_crash():
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cannot be multiplied"):
+        Linear(64, 32)(torch.randn(1, 63))
 
 
 @needs_cc
