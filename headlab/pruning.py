@@ -7,10 +7,11 @@ first. Under GQA query heads are ranked; a key/value head goes with its last que
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,20 +271,28 @@ def versus_random(
     batch_size = prune_kw.get("batch_size", 8)
     before = evaluate(model, heldout, batch_size=batch_size)
     sign = -1 if before.higher_is_better else 1
-    gates = [g.clone() for g in model.gates()]  # prune_to_target changes nothing else
     lost: dict[str, float] = {}
     for name, seed in [(method, 0)] + [("random", s) for s in seeds]:
-        try:
+        with gates_restored(model):
             prune_to_target(model, scoring, heldout, method=name, keep=keep, seed=seed,
                             **prune_kw)
             after = evaluate(model, heldout, batch_size=batch_size)
-        finally:
-            model.set_gates(gates)
         lost[name if name != "random" else f"random:{seed}"] = sign * (after.value - before.value)
     random_mean = sum(lost[f"random:{s}"] for s in seeds) / len(seeds)
     return {"metric": before.metric, "before": before.value, "lost": lost,
             "random_mean": random_mean,
             "ratio": lost[method] / random_mean if random_mean > 0 else math.nan}
+
+
+@contextlib.contextmanager
+def gates_restored(model: HeadModel) -> Iterator[None]:
+    """Put the model's head gates back on leaving, e.g. after a trial `prune_to_target`,
+    which masks heads and changes nothing else."""
+    gates = [g.clone() for g in model.gates()]
+    try:
+        yield
+    finally:
+        model.set_gates(gates)
 
 
 def current_plan(model: HeadModel) -> PrunePlan:

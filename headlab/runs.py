@@ -35,7 +35,13 @@ from headlab.evaluate import evaluate, prepare
 from headlab.importance import METHODS, score
 from headlab.models.base import HeadModel
 from headlab.models.loading import load
-from headlab.pruning import export_hf, hf_expressible, prune, prune_to_target
+from headlab.pruning import (
+    export_hf,
+    gates_restored,
+    hf_expressible,
+    prune,
+    prune_to_target,
+)
 
 log = logging.getLogger("headlab")
 
@@ -436,15 +442,14 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
     curves: dict[str, list[dict]] = {}
     for method in [m for m in cfg.compare if m != cfg.method]:
         log.info("comparison curve: %s", method)
-        gates = [g.clone() for g in model.gates()]  # prune_to_target changes nothing else
-        res = prune_to_target(model, scoring, heldout, method=method, keep=cfg.keep,
-                              prune=cfg.prune, schedule=cfg.schedule, step=cfg.step,
-                              per_layer=cfg.per_layer,
-                              min_heads_per_layer=cfg.min_heads_per_layer,
-                              batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw,
-                              checkpoint=checkpoint)
+        with gates_restored(model):  # the next method starts from the unpruned gates
+            res = prune_to_target(model, scoring, heldout, method=method, keep=cfg.keep,
+                                  prune=cfg.prune, schedule=cfg.schedule, step=cfg.step,
+                                  per_layer=cfg.per_layer,
+                                  min_heads_per_layer=cfg.min_heads_per_layer,
+                                  batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw,
+                                  checkpoint=checkpoint)
         curves[method] = res.curve
-        model.set_gates(gates)  # back to the unpruned gates for the next method
 
     log.info("scoring and pruning with %s (%s)", cfg.method, cfg.schedule)
     res = prune_to_target(model, scoring, heldout, method=cfg.method, keep=cfg.keep,
