@@ -70,13 +70,15 @@ def linear_rows(
         or bias.shape != (w.shape[0],)
     ):
         return None
+    return _run(fn, x.contiguous(), w, bias, torch.get_num_threads())
+
+
+def _run(fn, x, w, bias, threads: int) -> torch.Tensor:
+    """Call the kernel on checked, contiguous float32 CPU tensors; y (..., N)."""
     N, K = w.shape
-    x = x.contiguous()
     y = torch.empty(*x.shape[:-1], N)
-    fn(
-        x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        x.numel() // K, N, K, torch.get_num_threads(),
-    )
+    fn(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+       x.numel() // K, N, K, threads)
     return y
 
 
@@ -161,9 +163,7 @@ def _agrees(fn) -> bool:
     for M, N, K in ((1, 7, 13), (3, 37, 45), (2, 64, 512)):
         x, w, b = (torch.randn(*s, generator=g) for s in ((M, K), (N, K), (N,)))
         for bias in (b, None):
-            y = torch.empty(M, N)
-            fn(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
-               y.data_ptr(), M, N, K, 2)
+            y = _run(fn, x, w, bias, threads=2)  # 64 x 512 is large enough to split
             ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
             if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4):
                 return False
