@@ -1,11 +1,12 @@
 """headlab's C kernel for decoding products, built once per machine with the C compiler.
 
 Decoding multiplies one row (per sequence) by every weight of the model, so its speed is
-the rate at which weights stream from memory. For such products MKL reaches 6-9 GB/s on
-this project's 2-core machines, and a batched split of the weight across threads (the
-fallback in ``headlab.linear``) 8-13 GB/s; ``csrc/linear_rows.c``, which reads each
-4-row tile of the weight once with AVX2 FMAs on every OpenMP thread, 10-17 GB/s, near a
-two-thread ``sum`` over the same memory.
+the rate at which weights stream from memory. Measured on the SmolLM2 shapes on this
+project's 2-core machines (shared, so figures move between runs): MKL 6-12 GB/s, a
+batched split of the weight across threads (the fallback in ``headlab.linear``) 8-16,
+and ``csrc/linear_rows.c``, which reads each 4-row tile of the weight once with AVX2
+FMAs on every OpenMP thread, 10-17: 1.1-1.4x the split on the same shape in the same
+run, near a two-thread ``sum`` over the same memory (12-19).
 
 The source is compiled on first use with ``$CC`` (default ``cc``) and ``-O3
 -march=native -fopenmp`` (well under a second) into ``<cache>/kernels/<key>/``, where
