@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -105,10 +106,22 @@ def example_losses(
     a zero gradient at the unpruned model, while this projection's gradient measures
     how much each head moves the embedding (first-order, unbiased up to a constant).
     """
+    return losses_of(model, run(model, batch), batch, scoring=scoring)
+
+
+def run(model: HeadModel, batch: dict[str, torch.Tensor]):
+    """The model's forward on a batch of blocks (the output `losses_of` reads)."""
+    return model(batch["input_ids"].to(model.device),
+                 attention_mask=batch["attention_mask"].to(model.device))
+
+
+def losses_of(
+    model: HeadModel, out, batch: dict[str, torch.Tensor], *, scoring: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`example_losses` from an output of `run`."""
     device = model.device
     ids = batch["input_ids"].to(device)
     mask = batch["attention_mask"].to(device)
-    out = model(ids, attention_mask=mask)
     if model.kind == "causal-lm":
         logits = out.logits[:, :-1].float()  # (B, S-1, V)
         target = ids[:, 1:]
@@ -136,6 +149,51 @@ def example_losses(
         loss = (emb * batch["direction"].to(device)).sum(-1) if scoring else 1 - cos
         return loss, torch.ones_like(loss), cos
     raise ValueError(f"unknown model kind {model.kind!r}")
+
+
+def curvature_probes(
+    model: HeadModel, out, batch: dict[str, torch.Tensor], n: int, generator: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` random probes of the curvature of each example's loss, as (output,
+    cotangent) pairs: the gradient g of a parameter xi backpropagated from ``output``
+    with ``cotangent`` has, per example, E[g^2] = J^T H J, with J = d output / d xi
+    and H the Hessian of the loss in the output (its Gauss-Newton curvature).
+
+    causal-lm, masked-lm, classifier: output the logits z_t, cotangent
+    (p_t - onehot(y_t)) / sqrt(T) with y_t ~ p_t = softmax(z_t): the gradient of the
+    cross-entropy of a label the model draws itself (the Fisher identity), over an
+    example's T scored tokens (the loss is their mean; independent draws leave no
+    cross terms in expectation).
+    embedding: output the normalised embedding u, cotangent r ~ N(0, I). ``1 - cos(u,
+    ref)`` has second derivative ||du/dxi||^2 = E[(r^T du/dxi)^2] at the unpruned
+    model, where u = ref.
+    Labels and directions come from ``generator`` (CPU), so a seeded run repeats.
+    """
+    device = model.device
+    if model.kind == "embedding":
+        emb = F.normalize(out.embeddings.float(), dim=-1)  # (B, E)
+        for _ in range(n):
+            yield emb, torch.randn(emb.shape, generator=generator).to(device)
+        return
+    if model.kind == "classifier":
+        logits = out.logits.float()[:, None, :]  # (B, 1, C)
+        valid = torch.ones(logits.shape[:2], device=device)
+    elif model.kind == "causal-lm":
+        mask = batch["attention_mask"].to(device)
+        logits = out.logits[:, :-1].float()  # (B, S-1, V)
+        valid = (mask[:, 1:] * mask[:, :-1]).float()
+    elif model.kind == "masked-lm":
+        logits = out.logits.float()
+        valid = (batch["labels"].to(device) != -100).float()
+    else:
+        raise ValueError(f"unknown model kind {model.kind!r}")
+    probs = logits.detach().softmax(-1)  # (B, T, V)
+    drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]).cpu(), n, replacement=True,
+                              generator=generator).to(device)  # (B*T, n)
+    scale = (valid / valid.sum(1, keepdim=True).clamp(min=1).sqrt())[..., None]  # (B, T, 1)
+    for j in range(n):
+        onehot = torch.zeros_like(probs).scatter_(-1, drawn[:, j].view(*probs.shape[:2], 1), 1)
+        yield logits, (probs - onehot) * scale
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ Shape notation: N blocks, B batch, S sequence length, V vocabulary, C classes.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 
@@ -17,11 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from _curvature import gauss_newton_by_hand
 from torch.testing import assert_close
 
 import headlab
 from headlab.data import Blocks, TextData, load_texts, make_blocks
-from headlab.evaluate import evaluate, example_losses, mask_tokens, prepare
+from headlab.evaluate import curvature_probes, evaluate, example_losses, mask_tokens, prepare, run
 
 # float64 sums of float32 log-probabilities: the metric is exp of a mean of ~1e3 terms
 METRIC = {"rtol": 1e-6, "atol": 1e-6}
@@ -249,3 +251,96 @@ def test_embedding_fidelity_is_one_for_the_unpruned_model(tmp_path_factory, word
     assert_close(q.value, 1.0, rtol=0, atol=1e-6)
     model.mask_heads({0: [0, 1, 2], 1: [1, 3]})
     assert evaluate(model, blocks).value < 1 - 1e-4
+
+
+# ---------------------------------------------------------------------- curvature probes
+def _probe_curvature(model, batch: dict, n: int) -> torch.Tensor:
+    """Mean over ``n`` probes of (d probe / d gate)^2 per example: (B, L, H)."""
+    gates = []
+    for attn in model.attentions:
+        g = torch.ones(len(batch["input_ids"]), attn.n_heads, requires_grad=True)  # (B, H)
+        attn.gate_override = g
+        gates.append(g)
+    try:
+        out = run(model, batch)
+        total = torch.zeros(len(batch["input_ids"]), len(gates), gates[0].shape[1],
+                            dtype=torch.float64)
+        pairs = list(curvature_probes(model, out, batch, n, torch.Generator().manual_seed(0)))
+        assert len(pairs) == n
+        for j, (output, cotangent) in enumerate(pairs):
+            assert cotangent.shape == output.shape
+            grads = torch.autograd.grad(output, gates, cotangent, retain_graph=j < n - 1)
+            total += torch.stack(grads, 1).double().pow(2)
+    finally:
+        for attn in model.attentions:
+            attn.gate_override = None
+    return total / n
+
+
+def _kind_model(kind: str, tiny_gpt2, tmp_path_factory, wordpiece_dir, mlm_dir,
+                classifier_dir):
+    if kind == "causal-lm":
+        return tiny_gpt2, make_blocks(load_texts(), tiny_gpt2.tokenizer, kind=kind,
+                                      seq_len=12, max_tokens=36)
+    if kind == "embedding":
+        path = _bert_dir(tmp_path_factory, wordpiece_dir, transformers.BertModel, "enc")
+    else:
+        path = mlm_dir if kind == "masked-lm" else classifier_dir
+    model = headlab.load(path)
+    blocks = make_blocks(TextData(_sentences(3, seed=2)), model.tokenizer, kind=kind,
+                         seq_len=16)
+    if kind == "classifier":
+        blocks = Blocks(blocks.input_ids, blocks.attention_mask, torch.tensor([0, 1, 2]))
+    return model, prepare(model, blocks)
+
+
+@needs_bert
+@pytest.mark.parametrize("kind", ["causal-lm", "masked-lm", "classifier", "embedding"])
+def test_curvature_probes_estimate_the_gauss_newton_curvature(
+        kind, tiny_gpt2, tmp_path_factory, wordpiece_dir, mlm_dir, classifier_dir):
+    """Squared probe gradients average to the curvature computed by hand (the sampling
+    error of 800 probes is about 5%; a missing 1/sqrt(T) would be off by T, a probe
+    that ignored the model's own distribution by far more)."""
+    model, blocks = _kind_model(kind, tiny_gpt2, tmp_path_factory, wordpiece_dir,
+                                mlm_dir, classifier_dir)
+    assert model.kind == kind
+    batch = next(iter(blocks.batches(len(blocks))))
+    exact = gauss_newton_by_hand(model, batch)
+    estimate = _probe_curvature(model, batch, n=800)
+    assert exact.min() > 0
+    assert_close(estimate.mean(0), exact.mean(0), rtol=0.2, atol=0)
+    assert_close(estimate.sum(), exact.sum(), rtol=0.06, atol=0)
+
+
+@needs_bert
+def test_fidelity_curvature_is_the_second_derivative_of_one_minus_cos(
+        tmp_path_factory, wordpiece_dir):
+    """At the unpruned encoder (u = ref) the Gauss-Newton term is exact: it equals the
+    second difference of the real 1 - cos loss, and the first derivative is zero."""
+    model = headlab.load(_bert_dir(tmp_path_factory, wordpiece_dir, transformers.BertModel,
+                                   "enc2"))
+    blocks = make_blocks(TextData(_sentences(3, seed=3)), model.tokenizer, kind="embedding",
+                         seq_len=16)
+    batch = next(iter(blocks.batches(3)))
+    exact = gauss_newton_by_hand(model, batch)  # (B, L, H)
+    double = copy.deepcopy(model).double()
+    with torch.no_grad():
+        def loss() -> torch.Tensor:  # (B,) 1 - cos to the float64 reference
+            emb = double(batch["input_ids"], attention_mask=batch["attention_mask"]).embeddings
+            return 1 - F.cosine_similarity(emb, ref, dim=-1)
+
+        ref = double(batch["input_ids"], attention_mask=batch["attention_mask"]).embeddings
+        eps = 1e-3
+        for layer, attn in enumerate(double.attentions):
+            for h in range(attn.n_heads):
+                moved = []
+                for sign in (1, -1):
+                    g = torch.ones(attn.n_heads, dtype=torch.float64)
+                    g[h] += sign * eps
+                    attn.gate_override = g
+                    moved.append(loss())
+                attn.gate_override = None
+                assert_close((moved[0] - moved[1]) / (2 * eps), torch.zeros(3, dtype=torch.float64),
+                             rtol=0, atol=1e-9)
+                second = (moved[0] + moved[1] - 2 * loss()) / eps**2
+                assert_close(second, exact[:, layer, h], rtol=1e-4, atol=1e-10)
