@@ -30,6 +30,7 @@ log = logging.getLogger("headlab")
 class Method(StrEnum):
     michel = "michel"
     fisher = "fisher"
+    taylor = "taylor"
     ablation = "ablation"
     entropy = "entropy"
     confidence = "confidence"

@@ -74,7 +74,7 @@ class RunConfig:
     batch_size: int = 8
     heldout: float = 0.5
     seed: int = 0
-    normalize: bool = True
+    normalize: bool | None = None  # None: the method's default (see importance.score)
     per_token: bool = False
     device: str = "auto"
     dtype: str = "float32"

@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from _curvature import gauss_newton_by_hand
 from torch.testing import assert_close
 
 from headlab.data import Blocks, load_texts, make_blocks
@@ -129,6 +130,36 @@ def test_per_token_gates_bound_the_per_example_scores(tiny_gpt2, blocks):
                       per_token=True).tensor()
     assert torch.all(per_token >= per_example * (1 - 1e-5))
     assert (per_token - per_example).min() > 0  # strict: the signs do vary over positions
+
+
+def test_taylor_is_minus_the_gradient_plus_half_the_curvature(tiny_gpt2, blocks):
+    """At a mask (as iterative pruning scores): E_x[-dL/dxi] exactly (per-example
+    autograd) plus half the Gauss-Newton curvature by hand (finite differences), the
+    latter estimated from 400 probes per batch (a few % of sampling error)."""
+    tiny_gpt2.mask_heads({0: [1], 2: [0, 2]})
+    few = blocks.subset([0, 1, 2])
+    first = -_per_example_gate_grads(tiny_gpt2, few).mean(0)  # (L, H)
+    curvature = gauss_newton_by_hand(tiny_gpt2, next(iter(few.batches(3)))).mean(0)
+    taylor = score(tiny_gpt2, few, method="taylor", probes=400, batch_size=2)
+    assert taylor.normalisation is None and taylor.extra["probes"] == 400
+    t = taylor.tensor()
+    present = ~t.isnan()
+    assert present.sum() == 9
+    assert_close(t[present], (first + curvature / 2)[present], rtol=0.1, atol=0)
+    assert_close((t - first)[present].sum(), curvature[present].sum() / 2, rtol=0.05, atol=0)
+    # the first-order term matters here: without it the estimate would be far off
+    assert (first[present].abs() > 0.3 * curvature[present] / 2).any()
+
+
+def test_taylor_is_seeded_and_its_arguments_checked(tiny_gpt2, blocks):
+    few = blocks.subset([0, 1])
+    a = score(tiny_gpt2, few, method="taylor", seed=3).tensor()
+    assert torch.equal(a, score(tiny_gpt2, few, method="taylor", seed=3).tensor())
+    assert not torch.equal(a, score(tiny_gpt2, few, method="taylor", seed=4).tensor())
+    with pytest.raises(ValueError, match="at least one curvature probe"):
+        score(tiny_gpt2, few, method="taylor", probes=0)
+    with pytest.raises(ValueError, match="per-token gates apply to michel and fisher"):
+        score(tiny_gpt2, few, method="taylor", per_token=True)
 
 
 def test_ablation_equals_loss_change_by_hand(tiny_gpt2, blocks):
@@ -282,5 +313,6 @@ def test_html_view():
     assert html.startswith("<div>") and "michel" in html
     assert html.count("<tr>") == 3  # header and two layers
     assert "L1 H2" in html and 'title="removed"' in html
+    assert ">1.2e-07</td>" in html and ">-0.12</td>" in html  # small and signed scores show
     empty = HeadScores([[math.nan, math.nan]], "random")._repr_html_()
     assert empty.count('title="removed"') == 2
