@@ -11,7 +11,7 @@ import contextlib
 import copy
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,34 +254,37 @@ def versus_random(
     scoring: Blocks,
     heldout: Blocks,
     *,
-    method: str = "michel",
+    method: str | Sequence[str] = "michel",
     keep: float = 0.6,
     seeds: tuple[int, ...] = (0, 1, 2),
     **prune_kw,
 ) -> dict:
-    """Held-out quality lost by pruning with ``method`` vs with random scores.
+    """Held-out quality lost by pruning with ``method`` (one or several) vs with random
+    scores.
 
-    Prunes (by masking) to ``keep`` once with ``method`` and once per random seed, all
-    from the unpruned model, and restores the model after each. A loss is the change
-    in the model's metric in its bad direction (perplexity up, fidelity or accuracy
-    down). Returns ``{"metric", "before", "lost": {method, "random:<seed>": ...},
-    "random_mean", "ratio"}``: ``ratio`` = lost by ``method`` / mean lost by random;
-    under 1 the scorer beats chance, and Michel et al.'s claim is that it does by far.
+    Prunes (by masking) to ``keep`` once per method and once per random seed, all from
+    the unpruned model, and restores the model after each. A loss is the change in the
+    model's metric in its bad direction (perplexity up, fidelity or accuracy down).
+    Returns ``{"metric", "before", "lost": {<method>, "random:<seed>": ...},
+    "random_mean", "ratios": {<method>: ...}, "ratio"}``: a ratio is lost by the method
+    / mean lost by random, ``ratio`` the first method's; under 1 the scorer beats
+    chance, and Michel et al.'s claim is that it does by far.
     """
+    methods = [method] if isinstance(method, str) else list(method)
     batch_size = prune_kw.get("batch_size", 8)
     before = evaluate(model, heldout, batch_size=batch_size)
     sign = -1 if before.higher_is_better else 1
     lost: dict[str, float] = {}
-    for name, seed in [(method, 0)] + [("random", s) for s in seeds]:
+    for name, seed in [(m, 0) for m in methods] + [("random", s) for s in seeds]:
         with gates_restored(model):
             prune_to_target(model, scoring, heldout, method=name, keep=keep, seed=seed,
                             **prune_kw)
             after = evaluate(model, heldout, batch_size=batch_size)
         lost[name if name != "random" else f"random:{seed}"] = sign * (after.value - before.value)
     random_mean = sum(lost[f"random:{s}"] for s in seeds) / len(seeds)
+    ratios = {m: lost[m] / random_mean if random_mean > 0 else math.nan for m in methods}
     return {"metric": before.metric, "before": before.value, "lost": lost,
-            "random_mean": random_mean,
-            "ratio": lost[method] / random_mean if random_mean > 0 else math.nan}
+            "random_mean": random_mean, "ratios": ratios, "ratio": ratios[methods[0]]}
 
 
 @contextlib.contextmanager

@@ -272,22 +272,25 @@ def test_schedule_arguments_are_checked(tiny_gpt2, data):
 def test_versus_random_reports_each_run_and_restores_the_model(tiny_gpt2, tiny_gpt2_dir, data):
     scoring, heldout = data
     before = evaluate(tiny_gpt2, heldout, batch_size=4)
-    result = versus_random(tiny_gpt2, scoring, heldout, method="michel", keep=0.5,
+    result = versus_random(tiny_gpt2, scoring, heldout, method=("michel", "taylor"), keep=0.5,
                            seeds=(0, 1), step=0.5, batch_size=4)
     assert current_plan(tiny_gpt2).n_pruned == 0  # gates back to 1
     assert evaluate(tiny_gpt2, heldout, batch_size=4).value == before.value
 
     # each entry is the perplexity increase of that run, recomputed from its own plan
-    for name, seed in (("michel", 0), ("random", 0), ("random", 1)):
+    for name, seed in (("michel", 0), ("taylor", 0), ("random", 0), ("random", 1)):
         res = prune_to_target(_masked_copy(tiny_gpt2_dir, {}), scoring, heldout, method=name,
                               keep=0.5, seed=seed, step=0.5, batch_size=4)
-        key = name if name == "michel" else f"random:{seed}"
+        key = f"random:{seed}" if name == "random" else name
         assert_close(result["lost"][key], res.curve[-1]["quality"] - before.value,
                      rtol=1e-9, atol=0)
     mean = (result["lost"]["random:0"] + result["lost"]["random:1"]) / 2
     assert result["random_mean"] == pytest.approx(mean)
-    if mean > 0:
-        assert result["ratio"] == pytest.approx(result["lost"]["michel"] / mean)
-    else:  # random weights: random pruning may even help, and no ratio is defined
-        assert math.isnan(result["ratio"])
+    assert set(result["ratios"]) == {"michel", "taylor"}
+    assert result["ratio"] == result["ratios"]["michel"] or math.isnan(result["ratio"])
+    for name in ("michel", "taylor"):
+        if mean > 0:
+            assert result["ratios"][name] == pytest.approx(result["lost"][name] / mean)
+        else:  # random weights: random pruning may even help, and no ratio is defined
+            assert math.isnan(result["ratios"][name])
     assert result["metric"] == "perplexity" and result["before"] == before.value
