@@ -79,6 +79,7 @@ __all__ = [
     "count_flops",
     "markdown_table",
     "run_benchmarks",
+    "time_interleaved",
     "without_hook_checks",
 ]
 
@@ -388,7 +389,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_interleaved(
+def time_interleaved(
     fns: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int, device: str
 ) -> dict[str, list[float]]:
     """Seconds per call of each function: ``warmup`` untimed rounds, then ``repeats``
@@ -700,7 +701,7 @@ def bench_attention(sizes: AttentionSizes, *, device: str = "cpu",
             res.checks[f"max_abs_diff_vs_torch_mha_S{S}"] = _max_diff(
                 out, ref(x, x, x, need_weights=False)[0])
             res.checks[f"max_abs_diff_vs_sdpa_S{S}"] = _max_diff(out, sdpa_in_projections(x))
-            t = _time_interleaved(
+            t = time_interleaved(
                 {"headlab": lambda x=x: mha(x),
                  "torch_mha": lambda x=x: ref(x, x, x, need_weights=False),
                  "sdpa": lambda x=x: sdpa_in_projections(x)},
@@ -783,7 +784,7 @@ def bench_models(sizes: ModelsSizes, *, device: str = "cpu",
             with torch.inference_mode():
                 res.checks[f"{spec.name}.max_abs_diff"] = _max_diff(
                     _headlab_output(model, ids), _hf_output(hf, ids, spec.family))
-                t = _time_interleaved(
+                t = time_interleaved(
                     {"headlab": lambda m=model, i=ids: m(i),
                      "transformers": lambda h=hf, i=ids, f=spec.family: _hf_output(h, i, f)},
                     repeats=sizes.repeats, warmup=sizes.warmup, device=device)
@@ -991,7 +992,7 @@ def bench_hooks(sizes: HooksSizes, *, device: str = "cpu",
             res.checks["reference_max_abs_diff"] = _max_diff(a, b)
             res.checks["hook_points"] = n_points
             res.checks["forwards_rewritten"] = rewritten
-            t = _time_interleaved({"idle": lambda: model(ids), "bare": lambda: bare(ids)},
+            t = time_interleaved({"idle": lambda: model(ids), "bare": lambda: bare(ids)},
                                   repeats=sizes.repeats, warmup=sizes.warmup, device=device)
             res.add("idle_hooks_ms", _ms(t["idle"]), "ms")
             res.add("hooks_compiled_out_ms", _ms(t["bare"]), "ms")
@@ -1006,7 +1007,7 @@ def bench_hooks(sizes: HooksSizes, *, device: str = "cpu",
             res.info.append(("predicted_idle_overhead_pct",
                              "idle hook overhead in %, predicted from the cost of one check"))
 
-            t = _time_interleaved({"capture": with_capture, "plain": lambda: model(ids)},
+            t = time_interleaved({"capture": with_capture, "plain": lambda: model(ids)},
                                   repeats=sizes.capture_repeats, warmup=sizes.warmup,
                                   device=device)
             res.add("capture_patterns_ms", _ms(t["capture"]), "ms")
@@ -1068,7 +1069,7 @@ def bench_importance(sizes: ImportanceSizes, *, device: str = "cpu",
         try:
             for p in model.parameters():
                 p.requires_grad_(True)
-            t = _time_interleaved(
+            t = time_interleaved(
                 {"michel": lambda: score(model, blocks, method="michel", batch_size=B),
                  "fb": forward_backward},
                 repeats=sizes.repeats, warmup=sizes.warmup, device=device)
@@ -1125,7 +1126,7 @@ def bench_pruning(sizes: PruningSizes, *, device: str = "cpu",
             flops[key] = {"before": before, "after": after, "predicted_drop": predicted}
             ids = _random_ids(_vocab(model), B, S, device)
             with torch.inference_mode():
-                t = _time_interleaved({"before": lambda i=ids: model(i),
+                t = time_interleaved({"before": lambda i=ids: model(i),
                                        "after": lambda i=ids: pruned(i)},
                                       repeats=sizes.repeats, warmup=sizes.warmup,
                                       device=device)
@@ -1195,7 +1196,7 @@ def bench_generate(sizes: GenerateSizes, *, device: str = "cpu",
                 do_sample=False, pad_token_id=pad)
 
         with torch.inference_mode():
-            t = _time_interleaved({"headlab": run_headlab, "transformers": run_hf,
+            t = time_interleaved({"headlab": run_headlab, "transformers": run_hf,
                                    "copy": lambda: dst.copy_(src)},
                                   repeats=sizes.repeats, warmup=sizes.warmup, device=device)
         a, b = outs["headlab"][0, sizes.prompt:], outs["transformers"][0, sizes.prompt:]

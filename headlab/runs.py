@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import statistics
-import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -228,23 +227,21 @@ def build_data(cfg: RunConfig, model: HeadModel):
 
 
 @torch.inference_mode()
-def measure_latency(model: HeadModel, batch: int, seq_len: int, repeats: int = 5) -> float:
-    """Median forward time (ms) on random tokens of (batch, seq_len), after warm-up."""
-    seq_len = min(seq_len, model.max_positions)
-    vocab = model.tokenizer.vocab_size if model.tokenizer is not None else 100
+def compare_latency(before: HeadModel, after: HeadModel, batch: int, seq_len: int,
+                    rounds: int = 7) -> tuple[float, float]:
+    """Median forward times (ms) of two models on the same random tokens (batch,
+    seq_len), timed in alternating rounds after a warm-up of each, so that a slow spell
+    of a shared machine falls on both."""
+    from headlab.bench import time_interleaved
+
+    seq_len = min(seq_len, before.max_positions)
+    vocab = before.tokenizer.vocab_size if before.tokenizer is not None else 100
     ids = torch.randint(0, max(2, min(vocab, 1000)), (batch, seq_len),
-                        generator=torch.Generator().manual_seed(0)).to(model.device)
-    model(ids)  # warm-up: the first call pays for allocation and kernel selection
-    times = []
-    for _ in range(repeats):
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        model(ids)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+                        generator=torch.Generator().manual_seed(0)).to(before.device)
+    with torch.inference_mode():
+        t = time_interleaved({"before": lambda: before(ids), "after": lambda: after(ids)},
+                             repeats=rounds, warmup=1, device=before.device.type)
+    return (1000 * statistics.median(t["before"]), 1000 * statistics.median(t["after"]))
 
 
 @torch.no_grad()
@@ -431,7 +428,7 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
     before = {
         "params": model.num_parameters(), "heads": model.heads_per_layer,
         "kv": model.kv_heads_per_layer, "kv_bytes": model.kv_cache_bytes_per_token(),
-        "latency": measure_latency(model, lat_b, lat_s) if main else None,
+        "gates": [g.clone() for g in model.gates()],
     }
     analysis = {}
     if main:
@@ -461,12 +458,19 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
                               "quality", p["quality"]))
     curves[cfg.method] = res.curve
     q_before = res.curve[0]
+    latency = (None, None)
+    if main:  # the model as it came (its gates as they were) against a pruned copy
+        log.info("timing the pruned model against the unpruned one")
+        pruned = prune(model, res.plan, inplace=False)
+        with gates_restored(model):
+            model.set_gates(before["gates"])
+            latency = compare_latency(model, pruned, lat_b, lat_s)
+        del pruned
     prune(model, res.plan)
     q_after = evaluate(model, heldout, batch_size=cfg.batch_size)
     after = {
         "params": model.num_parameters(), "heads": model.heads_per_layer,
         "kv": model.kv_heads_per_layer, "kv_bytes": model.kv_cache_bytes_per_token(),
-        "latency": measure_latency(model, lat_b, lat_s) if main else None,
     }
     if main:
         model.save(out / "model")
@@ -495,7 +499,7 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
         "curve": res.curve,
         "curves": curves,
         "params": {"before": before["params"], "after": after["params"]},
-        "latency_ms": {"before": before["latency"], "after": after["latency"],
+        "latency_ms": {"before": latency[0], "after": latency[1],
                        "batch": lat_b, "seq_len": lat_s},
         "kv_cache_bytes_per_token": {"before": before["kv_bytes"], "after": after["kv_bytes"]},
         "export": export_note or ("model-hf/" if cfg.export == "hf" else None),

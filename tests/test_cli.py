@@ -61,6 +61,8 @@ def test_prune_writes_results_report_and_model(pruned_run):
     assert summary["params_after"] == results["params"]["after"] < results["params"]["before"]
     assert [p["fraction_pruned"] for p in results["curve"]][-1] == pytest.approx(0.5)
     assert set(results["curves"]) == {"michel", "random"}
+    lat = results["latency_ms"]
+    assert lat["before"] > 0 and lat["after"] > 0 and (lat["batch"], lat["seq_len"]) == (4, 64)
 
 
 def test_pruned_model_reloads_with_kept_heads(pruned_run):

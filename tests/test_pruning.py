@@ -12,6 +12,7 @@ Shape notation: L layers, H heads per layer, E model dim, D head dim, V vocabula
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -294,3 +295,23 @@ def test_versus_random_reports_each_run_and_restores_the_model(tiny_gpt2, tiny_g
         else:  # random weights: random pruning may even help, and no ratio is defined
             assert math.isnan(result["ratios"][name])
     assert result["metric"] == "perplexity" and result["before"] == before.value
+
+
+# ---------------------------------------------------------------------- measured speed
+def test_compare_latency_times_both_models_in_the_same_rounds(tiny_gpt2, tiny_gpt2_dir):
+    """A model made 20 ms slower per forward is measured 20 ms slower, and each model is
+    called once per round after one warm-up (alternating, so a slow spell hits both)."""
+    from headlab.runs import compare_latency
+
+    slow = headlab.load(tiny_gpt2_dir)
+    calls = []
+
+    def slowly(*_) -> None:
+        calls.append("slow")
+        time.sleep(0.02)
+
+    slow.register_forward_pre_hook(slowly)
+    tiny_gpt2.register_forward_pre_hook(lambda *_: calls.append("fast"))
+    before, after = compare_latency(slow, tiny_gpt2, batch=2, seq_len=16, rounds=4)
+    assert before - after > 18
+    assert calls == ["slow", "fast"] + ["slow", "fast", "fast", "slow"] * 2
