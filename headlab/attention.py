@@ -205,7 +205,9 @@ def apply_rotary(
     sin = sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # in rotated's own memory: autograd keeps neither it nor x for these products
+    # (cos and sin are constants), and a + b == b + a bit for bit
+    return rotated.mul_(sin).add_(x * cos)
 
 
 class MultiHeadAttention(nn.Module):

@@ -307,3 +307,25 @@ def test_smollm2_left_padded_batch_generates_as_transformers(smol, hf_smol):
         expected = hf_smol.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
     got = generate(smol, ids, attention_mask=mask, max_new_tokens=16)
     assert torch.equal(got, expected)
+
+
+def test_inference_mlp_in_place_equals_autograd_path_and_spares_hooked_outputs(pair):
+    """Without autograd the MLP works in its gate projection's memory; the result is
+    the same bits, and an output a user's hook holds is left as it was."""
+    _, _, model = pair
+    mlp = model.blocks[0].mlp
+    # 24 rows: F.linear on both paths (16 rows or fewer take headlab.linear's decode path)
+    x = torch.randn(2, 12, mlp.gate_proj.in_features, requires_grad=True)
+    with_grad = mlp(x)
+    with torch.inference_mode():
+        in_place = mlp(x.detach())
+    assert torch.equal(in_place, with_grad.detach())
+    held = []
+    handle = mlp.gate_proj.register_forward_hook(lambda m, i, out: held.append(out))
+    try:
+        with torch.no_grad():
+            hooked = mlp(x.detach())
+            assert torch.equal(held[0], mlp.gate_proj(x.detach()))
+    finally:
+        handle.remove()
+    assert torch.equal(hooked, in_place)

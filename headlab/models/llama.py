@@ -209,7 +209,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(F_, E, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)  # (B, S, F)
+        if gate.requires_grad or self.gate_proj._forward_hooks:
+            return self.down_proj(F.silu(gate) * self.up_proj(x))
+        # no autograd to keep it for and no hook holding it: work in gate's memory, one
+        # (B, S, F) tensor fewer to allocate and stream through per layer
+        return self.down_proj(F.silu(gate, inplace=True).mul_(self.up_proj(x)))
 
 
 class LlamaBlock(nn.Module):
