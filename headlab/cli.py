@@ -266,6 +266,7 @@ def score(
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
     per_token: Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
     = False,
+    probes: Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")] = 4,
     device: Annotated[Device, typer.Option(help="auto picks CUDA when present.")] = Device.auto,
     dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DType.float32,
     out: OutOpt = None,
@@ -282,8 +283,8 @@ def score(
     config = dict(model=model, command="score", method=method.value, data=data,
                   text_column=text_column, label_column=label_column, max_tokens=max_tokens,
                   seq_len=seq_len, batch_size=batch_size, seed=seed, per_token=per_token,
-                  device=device.value, dtype=dtype.value, out=str(out) if out else None,
-                  overwrite=overwrite)
+                  probes=probes, device=device.value, dtype=dtype.value,
+                  out=str(out) if out else None, overwrite=overwrite)
     _guard(_execute, config, quiet, json_mode, resume)
 
 

@@ -75,6 +75,7 @@ class RunConfig:
     seed: int = 0
     normalize: bool | None = None  # None: the method's default (see importance.score)
     per_token: bool = False
+    probes: int = 4  # taylor's curvature probes per batch
     device: str = "auto"
     dtype: str = "float32"
     out: str | None = None
@@ -121,6 +122,8 @@ class RunConfig:
             raise UserError(f"--schedule must be iterative or one-shot, got {self.schedule!r}")
         if not 0 < self.step <= 1:
             raise UserError(f"--step must be in (0, 1], got {self.step}")
+        if self.probes < 1:
+            raise UserError(f"probes must be >= 1 (taylor's curvature probes), got {self.probes}")
         if self.checkpoint_every < 1:
             raise UserError(f"checkpoint_every must be >= 1 batch, got {self.checkpoint_every}")
         if self.batch_size < 1 or self.max_tokens < 1 or self.min_heads_per_layer < 0:
@@ -400,7 +403,8 @@ def _json_safe(x):
 def _score_only(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len,
                 checkpoint) -> dict:
     scores = score(model, scoring, method=cfg.method, batch_size=cfg.batch_size,
-                   normalize=cfg.normalize, per_token=cfg.per_token, seed=cfg.seed,
+                   normalize=cfg.normalize, per_token=cfg.per_token, probes=cfg.probes,
+                   seed=cfg.seed,
                    checkpoint=checkpoint)
     q = evaluate(model, heldout, batch_size=cfg.batch_size)
     results = _base_results(cfg, model, scoring, heldout, seq_len)
@@ -435,7 +439,7 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
         log.info("analysing heads on a held-out sample")
         analysis = head_analysis(model, heldout, cfg)
 
-    kw = {"normalize": cfg.normalize, "per_token": cfg.per_token}
+    kw = {"normalize": cfg.normalize, "per_token": cfg.per_token, "probes": cfg.probes}
     curves: dict[str, list[dict]] = {}
     for method in [m for m in cfg.compare if m != cfg.method]:
         log.info("comparison curve: %s", method)

@@ -152,6 +152,20 @@ def test_text_longer_than_positions_is_truncated(tiny_gpt2_dir, tmp_path):
     assert results["kept_heads"] is None and results["quality"]["after"] is None
 
 
+def test_score_with_taylor_takes_the_probe_count(tiny_gpt2_dir, tmp_path):
+    out = tmp_path / "t"
+    r = headlab("score", "--model", str(tiny_gpt2_dir), "--max-tokens", "1024", "--seq-len",
+                "32", "--method", "taylor", "--probes", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["probes"] == 2
+    results = json.loads((out / "results.json").read_text())
+    assert results["method"] == "taylor" and results["importance_normalisation"] is None
+    flat = [v for row in results["importance"] for v in row]
+    assert len(flat) == 12 and all(isinstance(v, float) for v in flat)
+    r = headlab("score", "--model", str(tiny_gpt2_dir), "--probes", "0")
+    assert r.returncode == 2 and "probes must be >= 1" in r.stderr
+
+
 def test_ctrl_c_leaves_interrupted_status_and_no_partial_results(tiny_gpt2_dir, tmp_path):
     out = tmp_path / "int"
     proc = subprocess.Popen(

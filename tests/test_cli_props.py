@@ -31,6 +31,7 @@ def test_run_config_accepts_or_says_why(d):
     # whatever passed validation is in range
     assert cfg.keep is None or 0 < cfg.keep <= 1
     assert cfg.batch_size >= 1 and cfg.max_tokens >= 1 and 0 < cfg.step <= 1
+    assert cfg.probes >= 1
 
 
 @settings(max_examples=100, deadline=None)
