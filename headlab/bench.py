@@ -64,6 +64,7 @@ from torch import nn
 
 from headlab import kernels
 from headlab._io import atomic_write_json, atomic_write_text, cache_root
+from headlab.linear import onednn_available, products
 
 log = logging.getLogger(__name__)
 
@@ -777,6 +778,8 @@ def bench_models(sizes: ModelsSizes, *, device: str = "cpu",
         "speed_vs_transformers": "transformers time / headlab time per round (> 1: headlab "
                                  "faster); tokens/s = B*S / time",
     }
+    onednn = device == "cpu" and onednn_available()
+    res.checks["onednn"] = "available" if onednn else "unavailable: not measured"
     try:
         for spec in sizes.models:
             model, hf, source = cache.pair(spec)
@@ -799,6 +802,19 @@ def bench_models(sizes: ModelsSizes, *, device: str = "cpu",
             res.add_target(f"{spec.name}.speed_vs_transformers", target=1.0, op=">=",
                            what=f"{spec.name} forward tokens/s vs transformers sdpa "
                                 f"(B={B}, S={S})")
+            if onednn:  # the same comparison with headlab's products on oneDNN
+                with torch.inference_mode(), products("onednn"):
+                    res.checks[f"{spec.name}.onednn_max_abs_diff"] = _max_diff(
+                        _headlab_output(model, ids), _hf_output(hf, ids, spec.family))
+                    t = time_interleaved(
+                        {"headlab": lambda m=model, i=ids: m(i),
+                         "transformers": lambda h=hf, i=ids, f=spec.family: _hf_output(h, i, f)},
+                        repeats=sizes.repeats, warmup=sizes.warmup, device=device)
+                res.add(f"{spec.name}.onednn_speed_vs_transformers",
+                        _ratios(t["transformers"], t["headlab"]), "x")
+                res.info.append((f"{spec.name}.onednn_speed_vs_transformers",
+                                 f"{spec.name} forward, headlab's products on oneDNN "
+                                 f"(set_products('onednn')) vs transformers sdpa"))
     finally:
         if models is None:
             cache.close()

@@ -98,3 +98,38 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(hl_linear, "_split_product", wrap(hl_linear._split_product))
     return Spy
+
+
+# ---------------------------------------------------------------------- oneDNN products
+needs_onednn = pytest.mark.skipif(not hl_linear.onednn_available(),
+                                  reason="oneDNN's linear is missing or failed its check")
+
+
+@needs_onednn
+@pytest.mark.parametrize("input_major", [False, True], ids=["out-major", "in-major"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_products_are_float32_sums_of_the_same_function(bias, input_major):
+    """Within float32 rounding of the float64 product, as F.linear is; only without
+    gradients and for more than 16 rows (fewer keep the decode paths)."""
+    lin = make(1001, 333, bias, input_major)
+    x = torch.randn(3, 50, 333)
+    want = F.linear(x.double(), lin.weight.double(),
+                    None if lin.bias is None else lin.bias.double())
+    exact_error = (F.linear(x, lin.weight, lin.bias).double() - want).abs().max()
+    with hl_linear.products("onednn"), torch.no_grad():
+        got = lin(x)
+    assert got.shape == (3, 50, 1001) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 4 * exact_error
+    assert not torch.equal(got, F.linear(x, lin.weight, lin.bias))  # it did run elsewhere
+    with hl_linear.products("onednn"):
+        y = lin(x.requires_grad_())  # autograd: exact
+    assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
+
+
+def test_products_setting_is_checked_and_scoped():
+    assert hl_linear._products == "exact"
+    with hl_linear.products("onednn"):
+        assert hl_linear._products == "onednn"
+    assert hl_linear._products == "exact"
+    with pytest.raises(ValueError, match="products must be one of exact, onednn, got 'mkl'"):
+        hl_linear.set_products("mkl")
