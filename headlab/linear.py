@@ -21,7 +21,8 @@ A CPU product of at most 16 rows therefore takes, in order:
 Larger products (prefill, scoring, training) and other devices take ``F.linear``, the
 same MKL products transformers runs, so headlab's outputs equal transformers' bit for
 bit. ``set_products("onednn")`` (or ``HEADLAB_PRODUCTS=onednn``) sends the large
-products that need no gradient to oneDNN instead: on AMD CPUs with AVX-512, where MKL
+products whose weights need no gradient (inference, importance scoring) to oneDNN
+instead: on AMD CPUs with AVX-512, where MKL
 keeps to AVX2, they run 2-2.4x faster (measured on 2 Zen 5 cores: 500 vs 210 GFLOP/s
 for SmolLM2's MLP products, a whole SmolLM2 forward 0.75 vs 1.42 s). The sums are the
 same float32 sums in another order: as close to float64 as MKL's (8.1e-5 vs 5.8e-5 on
@@ -70,7 +71,7 @@ class Linear(nn.Linear):
         w = self.weight
         if x.device.type != "cpu" or not 0 < x.numel() <= MAX_SPLIT_ROWS * w.shape[1]:
             if _products == "onednn" and x.device.type == "cpu" and _onednn_ok(x, w, self.bias):
-                return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
+                return _OneDNNLinear.apply(x, w, self.bias)
             return F.linear(x, w, self.bias)
         if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             y = kernels.linear_rows(x, w, self.bias)  # row-major float32 weights
@@ -118,9 +119,10 @@ except ValueError as exc:
 
 
 def _onednn_ok(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether this product may go to oneDNN: no gradient, float32 throughout (torch
+    """Whether this product may go to oneDNN: no gradient for the weight or bias (the
+    input's, as in importance scoring, is one more product), float32 throughout (torch
     already sends bfloat16 products there), and a oneDNN that passed its check."""
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+    if torch.is_grad_enabled() and (w.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return False
     if x.dtype != torch.float32 or w.dtype != torch.float32:
@@ -128,6 +130,22 @@ def _onednn_ok(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> b
     if bias is not None and bias.dtype != torch.float32:
         return False
     return onednn_available()
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """x (..., K) @ w (N, K)^T + bias on oneDNN, differentiable in x only: the input's
+    gradient is the product dy (..., N) @ w, with w^T as oneDNN's weight (a view)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias):
+        ctx.save_for_backward(w)
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w,) = ctx.saved_tensors
+        dx = torch.ops.mkldnn._linear_pointwise(dy.contiguous(), w.t(), None, "none", [], "")
+        return dx, None, None
 
 
 @functools.cache

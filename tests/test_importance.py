@@ -26,6 +26,7 @@ from torch.testing import assert_close
 from headlab.data import Blocks, load_texts, make_blocks
 from headlab.evaluate import evaluate
 from headlab.importance import METHODS, HeadScores, score
+from headlab.linear import onednn_available, products
 
 N, S = 6, 24
 # float32 gradients of the same function, batched differently: ~1e-6 relative
@@ -113,6 +114,15 @@ def test_michel_with_masked_heads_uses_the_current_gates(tiny_gpt2, blocks):
     absent[0, 1] = absent[2, 0] = absent[2, 2] = True
     assert torch.isnan(michel[absent]).all()
     assert_close(michel[~absent], expected[~absent], **GRAD)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN's linear is unavailable")
+def test_onednn_products_give_the_same_scores(tiny_gpt2, blocks):
+    exact = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
+    with products("onednn"):
+        fast = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
+    assert_close(fast, exact, rtol=1e-4, atol=1e-9)
+    assert not torch.equal(fast, exact)  # the products did run on oneDNN
 
 
 def test_gradients_are_zeroed_per_batch(tiny_gpt2, blocks):

@@ -122,8 +122,25 @@ def test_onednn_products_are_float32_sums_of_the_same_function(bias, input_major
     assert (got.double() - want).abs().max() <= 4 * exact_error
     assert not torch.equal(got, F.linear(x, lin.weight, lin.bias))  # it did run elsewhere
     with hl_linear.products("onednn"):
-        y = lin(x.requires_grad_())  # autograd: exact
+        y = lin(x.requires_grad_())  # the weight needs a gradient: exact
     assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
+
+
+@needs_onednn
+def test_onednn_input_gradient_is_the_float64_one():
+    """Frozen weights (importance scoring): the input's gradient is one more oneDNN
+    product, dy @ w, within float32 rounding of float64."""
+    lin = make(1001, 333, True)
+    lin.requires_grad_(False)
+    x = torch.randn(3, 50, 333, requires_grad=True)
+    dy = torch.randn(3, 50, 1001)
+    with hl_linear.products("onednn"):
+        y = lin(x)
+    assert type(y.grad_fn).__name__ == "_OneDNNLinearBackward"
+    (y * dy).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    (F.linear(x64, lin.weight.double(), lin.bias.double()) * dy.double()).sum().backward()
+    assert_close(x.grad.double(), x64.grad, rtol=0, atol=1e-5 * float(x64.grad.abs().max()))
 
 
 def test_products_setting_is_checked_and_scoped():
