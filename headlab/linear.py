@@ -22,9 +22,9 @@ Larger products (prefill, scoring, training) and other devices take ``F.linear``
 same MKL products transformers runs, so headlab's outputs equal transformers' bit for
 bit. ``set_products("onednn")`` (or ``HEADLAB_PRODUCTS=onednn``) sends the large
 products whose weights need no gradient (inference, importance scoring) to oneDNN
-instead: on AMD CPUs with AVX-512, where MKL
-keeps to AVX2, they run 2-2.4x faster (measured on 2 Zen 5 cores: 500 vs 210 GFLOP/s
-for SmolLM2's MLP products, a whole SmolLM2 forward 0.75 vs 1.42 s). The sums are the
+instead: on AMD CPUs with AVX-512, where MKL keeps to AVX2, they run 2-2.4x faster
+(measured on 2 Zen 5 cores: 500 vs 210 GFLOP/s for SmolLM2's MLP products, a whole
+SmolLM2 forward 0.75 vs 1.42 s). The sums are the
 same float32 sums in another order: as close to float64 as MKL's (8.1e-5 vs 5.8e-5 on
 SmolLM2's logits), but 4e-4 away from transformers' on logits of magnitude 36, which is
 why it is not the default.
