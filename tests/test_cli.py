@@ -167,12 +167,18 @@ def test_score_with_taylor_takes_the_probe_count(tiny_gpt2_dir, tmp_path):
 
 
 def test_ctrl_c_leaves_interrupted_status_and_no_partial_results(tiny_gpt2_dir, tmp_path):
+    from headlab.data import bundled_text
+
     out = tmp_path / "int"
+    # the bundled text 20 times: ablation on it runs for a minute even on a fast machine,
+    # so the signal lands mid-run (on the bundled text alone the run could end first)
+    text = tmp_path / "long.txt"
+    text.write_text("\n\n".join([bundled_text()] * 20))
     proc = subprocess.Popen(
         [sys.executable, "-m", "headlab", "prune", "--model", str(tiny_gpt2_dir), "--keep",
-         "0.5", "--method", "ablation", "--max-tokens", "32768", "--seq-len", "32",
-         "--out", str(out)], env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+         "0.5", "--method", "ablation", "--data", str(text), "--max-tokens", "400000",
+         "--seq-len", "32", "--out", str(out)], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "status.json").exists():
         time.sleep(0.2)
