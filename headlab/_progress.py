@@ -9,6 +9,16 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _enabled = False
+_stop_requested = False
+
+
+def request_stop() -> None:
+    """Make every tracked loop raise KeyboardInterrupt at its next item. The CLI's
+    signal handler calls this as well as raising: a KeyboardInterrupt raised while
+    Python runs a finaliser (``__del__``, a weakref callback) is printed and dropped,
+    and the run would go on."""
+    global _stop_requested
+    _stop_requested = True
 
 
 def set_enabled(on: bool) -> None:
@@ -18,9 +28,13 @@ def set_enabled(on: bool) -> None:
 
 
 def track(items: Iterable[T], *, total: int | None = None, description: str = "") -> Iterator[T]:
-    """Iterate with a bar showing count, rate and ETA when bars are enabled."""
+    """Iterate with a bar showing count, rate and ETA when bars are enabled; stop with
+    KeyboardInterrupt once `request_stop` was called."""
     if not _enabled:
-        yield from items
+        for item in items:
+            if _stop_requested:
+                raise KeyboardInterrupt
+            yield item
         return
     from rich.console import Console
     from rich.progress import (
@@ -43,5 +57,7 @@ def track(items: Iterable[T], *, total: int | None = None, description: str = ""
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
         task = bar.add_task(description, total=total)
         for item in items:
+            if _stop_requested:
+                raise KeyboardInterrupt
             yield item
             bar.advance(task)

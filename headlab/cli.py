@@ -61,8 +61,9 @@ def _setup(quiet: bool, json_mode: bool) -> None:
     from headlab import _progress
 
     # SIGTERM (a scheduler stopping the job) ends a run like Ctrl-C: status interrupted,
-    # checkpoint saved, resumable.
+    # checkpoint saved, resumable. Both also stop every progress loop (see request_stop).
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     other_rank = int(os.environ.get("RANK", "0")) > 0  # torchrun: rank 0 alone prints
     quiet = quiet or other_rank
     level = logging.WARNING if quiet or json_mode else logging.INFO
@@ -90,6 +91,9 @@ def _setup(quiet: bool, json_mode: bool) -> None:
 
 
 def _interrupt(signum, frame) -> None:
+    from headlab import _progress
+
+    _progress.request_stop()
     raise KeyboardInterrupt
 
 
