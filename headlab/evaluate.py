@@ -191,9 +191,10 @@ def curvature_probes(
     drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]).cpu(), n, replacement=True,
                               generator=generator).to(device)  # (B*T, n)
     scale = (valid / valid.sum(1, keepdim=True).clamp(min=1).sqrt())[..., None]  # (B, T, 1)
-    for j in range(n):
-        onehot = torch.zeros_like(probs).scatter_(-1, drawn[:, j].view(*probs.shape[:2], 1), 1)
-        yield logits, (probs - onehot) * scale
+    for j in range(n):  # (p - onehot(y)) * scale, built in one (B, T, V) tensor
+        cotangent = probs * scale
+        index = drawn[:, j].view(*probs.shape[:2], 1)
+        yield logits, cotangent.scatter_add_(-1, index, -scale.expand_as(index))
 
 
 @torch.no_grad()
