@@ -784,13 +784,16 @@ def bench_models(sizes: ModelsSizes, *, device: str = "cpu",
         for spec in sizes.models:
             model, hf, source = cache.pair(spec)
             ids = _random_ids(_vocab(model), B, S, device)
-            with torch.inference_mode():
-                res.checks[f"{spec.name}.max_abs_diff"] = _max_diff(
-                    _headlab_output(model, ids), _hf_output(hf, ids, spec.family))
-                t = time_interleaved(
-                    {"headlab": lambda m=model, i=ids: m(i),
-                     "transformers": lambda h=hf, i=ids, f=spec.family: _hf_output(h, i, f)},
-                    repeats=sizes.repeats, warmup=sizes.warmup, device=device)
+
+            def race(m=model, h=hf, i=ids, f=spec.family) -> tuple[float, dict]:
+                """Output difference, then seconds per call of each side, interleaved."""
+                with torch.inference_mode():
+                    diff = _max_diff(_headlab_output(m, i), _hf_output(h, i, f))
+                    return diff, time_interleaved(
+                        {"headlab": lambda: m(i), "transformers": lambda: _hf_output(h, i, f)},
+                        repeats=sizes.repeats, warmup=sizes.warmup, device=device)
+
+            res.checks[f"{spec.name}.max_abs_diff"], t = race()
             res.checks[f"{spec.name}.weights"] = source
             res.checks[f"{spec.name}.transformers"] = (
                 f"{type(hf).__name__}, attention {hf.config._attn_implementation}")
@@ -803,13 +806,8 @@ def bench_models(sizes: ModelsSizes, *, device: str = "cpu",
                            what=f"{spec.name} forward tokens/s vs transformers sdpa "
                                 f"(B={B}, S={S})")
             if onednn:  # the same comparison with headlab's products on oneDNN
-                with torch.inference_mode(), products("onednn"):
-                    res.checks[f"{spec.name}.onednn_max_abs_diff"] = _max_diff(
-                        _headlab_output(model, ids), _hf_output(hf, ids, spec.family))
-                    t = time_interleaved(
-                        {"headlab": lambda m=model, i=ids: m(i),
-                         "transformers": lambda h=hf, i=ids, f=spec.family: _hf_output(h, i, f)},
-                        repeats=sizes.repeats, warmup=sizes.warmup, device=device)
+                with products("onednn"):
+                    res.checks[f"{spec.name}.onednn_max_abs_diff"], t = race()
                 res.add(f"{spec.name}.onednn_speed_vs_transformers",
                         _ratios(t["transformers"], t["headlab"]), "x")
                 res.info.append((f"{spec.name}.onednn_speed_vs_transformers",

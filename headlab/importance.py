@@ -35,7 +35,7 @@ from headlab._io import atomic_write_json, atomic_write_text
 from headlab._progress import track
 from headlab.checkpoint import Checkpoint
 from headlab.data import Blocks
-from headlab.evaluate import curvature_probes, losses_of, run
+from headlab.evaluate import curvature_probes, example_losses, losses_of, run
 from headlab.models.base import HeadModel
 
 METHODS = ("michel", "fisher", "taylor", "ablation", "entropy", "confidence", "random")
@@ -290,7 +290,7 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
 def _mean_loss(model, blocks, batch_size) -> tuple[float, int]:
     total, count = 0.0, 0.0
     for batch in blocks.batches(batch_size):
-        loss, c, _ = losses_of(model, run(model, batch), batch)
+        loss, c, _ = example_losses(model, batch)
         total += float((loss * c).sum())
         count += float(c.sum())
     total, count = distributed.sum_floats(total, count)

@@ -24,10 +24,9 @@ bit. ``set_products("onednn")`` (or ``HEADLAB_PRODUCTS=onednn``) sends the large
 products whose weights need no gradient (inference, importance scoring) to oneDNN
 instead: on AMD CPUs with AVX-512, where MKL keeps to AVX2, they run 2-2.4x faster
 (measured on 2 Zen 5 cores: 500 vs 210 GFLOP/s for SmolLM2's MLP products, a whole
-SmolLM2 forward 0.75 vs 1.42 s). The sums are the
-same float32 sums in another order: as close to float64 as MKL's (8.1e-5 vs 5.8e-5 on
-SmolLM2's logits), but 4e-4 away from transformers' on logits of magnitude 36, which is
-why it is not the default.
+SmolLM2 forward 0.75 vs 1.42 s). The sums are the same float32 sums in another order:
+as close to float64 as MKL's (8.1e-5 vs 5.8e-5 on SmolLM2's logits), but 4e-4 away
+from transformers' on logits of magnitude 36, which is why it is not the default.
 
 Parameter names and shapes are nn.Linear's, so checkpoints, hooks and pruning see no
 difference. ``store_input_major`` changes only where a weight's numbers lie in memory:
@@ -91,7 +90,7 @@ _products = "exact"
 
 
 def set_products(name: str) -> None:
-    """Choose what runs CPU products of more than 16 rows that need no gradient:
+    """Choose what runs CPU products of more than 16 rows whose weights need no gradient:
     "exact" (F.linear, transformers' bits) or "onednn" (faster where MKL is slow; see
     the module docstring). Where oneDNN is missing or fails its check, "onednn" logs a
     warning once and products stay exact."""

@@ -241,9 +241,8 @@ def compare_latency(before: HeadModel, after: HeadModel, batch: int, seq_len: in
     vocab = before.tokenizer.vocab_size if before.tokenizer is not None else 100
     ids = torch.randint(0, max(2, min(vocab, 1000)), (batch, seq_len),
                         generator=torch.Generator().manual_seed(0)).to(before.device)
-    with torch.inference_mode():
-        t = time_interleaved({"before": lambda: before(ids), "after": lambda: after(ids)},
-                             repeats=rounds, warmup=1, device=before.device.type)
+    t = time_interleaved({"before": lambda: before(ids), "after": lambda: after(ids)},
+                         repeats=rounds, warmup=1, device=before.device.type)
     return (1000 * statistics.median(t["before"]), 1000 * statistics.median(t["after"]))
 
 
@@ -404,8 +403,7 @@ def _score_only(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len,
                 checkpoint) -> dict:
     scores = score(model, scoring, method=cfg.method, batch_size=cfg.batch_size,
                    normalize=cfg.normalize, per_token=cfg.per_token, probes=cfg.probes,
-                   seed=cfg.seed,
-                   checkpoint=checkpoint)
+                   seed=cfg.seed, checkpoint=checkpoint)
     q = evaluate(model, heldout, batch_size=cfg.batch_size)
     results = _base_results(cfg, model, scoring, heldout, seq_len)
     results.update({
@@ -466,9 +464,8 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
     if main:  # the model as it came (its gates as they were) against a pruned copy
         log.info("timing the pruned model against the unpruned one")
         pruned = prune(model, res.plan, inplace=False)
-        with gates_restored(model):
-            model.set_gates(before["gates"])
-            latency = compare_latency(model, pruned, lat_b, lat_s)
+        model.set_gates(before["gates"])  # prune() below follows the plan, not the gates
+        latency = compare_latency(model, pruned, lat_b, lat_s)
         del pruned
     prune(model, res.plan)
     q_after = evaluate(model, heldout, batch_size=cfg.batch_size)
