@@ -353,3 +353,18 @@ def test_hostile_token_shows_as_text_and_runs_nothing(browser, tmp_path):
     left = browser.find_elements("css selector", "#explorer-left div")
     assert left[4].text == HOSTILE and left[4].is_displayed()
     assert browser.find_element("css selector", "h1 .model").text == HOSTILE
+
+
+def test_changes_from_a_vanishing_base_read_as_differences():
+    from headlab.report._context import _change
+
+    assert _change(-5.3e-8, 0.0847, False) == ("+0.0847", "bad")  # not +159193412.0%
+    assert _change(2.0, 3.0, False) == ("+50.0%", "bad")
+    assert _change(1.0, 0.9153, True) == ("-8.5%", "bad")
+
+
+def test_unnormalised_importance_says_none(tmp_path):
+    r = {"model": "m", "method": "taylor", "heads_total": 2, "importance": [[0.1, 0.2]],
+         "importance_normalisation": None}
+    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    assert "<dt>importance normalisation</dt><dd>none</dd>" in html

@@ -65,7 +65,9 @@ def pruned_mask(results: dict) -> list[list[bool]] | None:
 
 def _change(before: float | None, after: float | None,
             higher_is_better: bool | None) -> tuple[str, str]:
-    """Relative change text and a tone (good, bad or neutral) for the summary table."""
+    """Relative change text and a tone (good, bad or neutral) for the summary table. A
+    change over 100 times its base (a fidelity loss that starts at rounding noise, 1e-8)
+    reads as the absolute difference: a percentage of nothing says nothing."""
     if before is None or after is None or before == 0:
         return "", "neutral"
     rel = (after - before) / abs(before)
@@ -73,6 +75,8 @@ def _change(before: float | None, after: float | None,
         tone = "neutral"
     else:
         tone = "good" if (rel > 0) == higher_is_better else "bad"
+    if abs(rel) > 100:
+        return f"{after - before:+.4g}", tone
     return f"{rel * 100:+.1f}%", tone
 
 
@@ -163,7 +167,8 @@ def run_facts(results: dict) -> dict[str, str]:
             for k in ("scoring_tokens", "heldout_tokens"))
             if data.get("scoring_tokens") or data.get("heldout_tokens") else None),
         ("sequence length", data.get("seq_len")),
-        ("importance normalisation", results.get("importance_normalisation")),
+        ("importance normalisation", results.get("importance_normalisation")
+         or ("none" if results.get("importance") else None)),
         ("status", results.get("status")),
         ("created", results.get("created")),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items())),
