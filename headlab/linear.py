@@ -18,9 +18,11 @@ A CPU product of at most 16 rows therefore takes, in order:
    input-major, products that need autograd, and machines without the kernel: 1.4x
    ``F.linear``'s bandwidth on the MLP matrices, 1.6x on the output embedding.
 
-Larger products (prefill, scoring, training) and other devices take ``F.linear``, the
-same MKL products transformers runs, so headlab's outputs equal transformers' bit for
-bit. ``set_products("onednn")`` (or ``HEADLAB_PRODUCTS=onednn``) sends the large
+Larger products (prefill, scoring) whose weights need no gradient take headlab's
+``kernels.matmul``: torch's own sums in torch's order, so headlab's outputs equal
+transformers' bit for bit, about 2x faster on AMD CPUs with AVX-512 (where MKL keeps to
+AVX2). Training, other devices and machines where the kernel is not torch's order take
+``F.linear``. ``set_products("onednn")`` (or ``HEADLAB_PRODUCTS=onednn``) sends the large
 products whose weights need no gradient (inference, importance scoring) to oneDNN
 instead: on AMD CPUs with AVX-512, where MKL keeps to AVX2, they run 2-2.4x faster
 (measured on 2 Zen 5 cores: 500 vs 210 GFLOP/s for SmolLM2's MLP products, a whole
@@ -71,7 +73,7 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or not 0 < x.numel() <= MAX_SPLIT_ROWS * w.shape[1]:
             if _products == "onednn" and x.device.type == "cpu" and _onednn_ok(x, w, self.bias):
                 return _OneDNNLinear.apply(x, w, self.bias)
-            return F.linear(x, w, self.bias)
+            return _large_product(x, w, self.bias)
         if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             y = kernels.linear_rows(x, w, self.bias)  # row-major float32 weights
             if y is not None:
@@ -115,6 +117,36 @@ try:
     set_products(os.environ.get("HEADLAB_PRODUCTS", "exact"))
 except ValueError as exc:
     raise ValueError(f"HEADLAB_PRODUCTS: {exc}") from None
+
+
+def _large_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, bias), bit for bit, on headlab's matmul kernel where it applies
+    (``kernels.matmul``): weights and bias that need no gradient; the input's gradient,
+    as in importance scoring, is one more product on the kernel."""
+    if torch.is_grad_enabled() and (w.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return F.linear(x, w, bias)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _KernelLinear.apply(x, w, bias)
+    y = kernels.matmul(x, w.t(), bias)
+    return F.linear(x, w, bias) if y is None else y
+
+
+class _KernelLinear(torch.autograd.Function):
+    """x (..., K) @ w (N, K)^T + bias by ``kernels.matmul``, differentiable in x only:
+    the input's gradient dy (..., N) @ w is the product torch's own backward computes."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias):
+        ctx.save_for_backward(w)
+        y = kernels.matmul(x, w.t(), bias)
+        return F.linear(x, w, bias) if y is None else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w,) = ctx.saved_tensors
+        dx = kernels.matmul(dy, w)
+        return dy @ w if dx is None else dx, None, None
 
 
 def _onednn_ok(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
