@@ -64,7 +64,6 @@ from torch import nn
 
 from headlab import kernels
 from headlab._io import atomic_write_json, atomic_write_text, cache_root
-from headlab.linear import onednn_available, products
 
 log = logging.getLogger(__name__)
 
@@ -778,8 +777,8 @@ def bench_models(sizes: ModelsSizes, *, device: str = "cpu",
         "speed_vs_transformers": "transformers time / headlab time per round (> 1: headlab "
                                  "faster); tokens/s = B*S / time",
     }
-    onednn = device == "cpu" and onednn_available()
-    res.checks["onednn"] = "available" if onednn else "unavailable: not measured"
+    res.checks["large_products"] = kernels.matmul_status()  # see headlab.kernels
+    own_products = device == "cpu" and res.checks["large_products"].startswith("C kernel")
     try:
         for spec in sizes.models:
             model, hf, source = cache.pair(spec)
@@ -805,14 +804,14 @@ def bench_models(sizes: ModelsSizes, *, device: str = "cpu",
             res.add_target(f"{spec.name}.speed_vs_transformers", target=1.0, op=">=",
                            what=f"{spec.name} forward tokens/s vs transformers sdpa "
                                 f"(B={B}, S={S})")
-            if onednn:  # the same comparison with headlab's products on oneDNN
-                with products("onednn"):
-                    res.checks[f"{spec.name}.onednn_max_abs_diff"], t = race()
-                res.add(f"{spec.name}.onednn_speed_vs_transformers",
+            if own_products:  # where the speed comes from: the same race on torch's products
+                with kernels.unused():
+                    res.checks[f"{spec.name}.torch_products_max_abs_diff"], t = race()
+                res.add(f"{spec.name}.torch_products_speed_vs_transformers",
                         _ratios(t["transformers"], t["headlab"]), "x")
-                res.info.append((f"{spec.name}.onednn_speed_vs_transformers",
-                                 f"{spec.name} forward, headlab's products on oneDNN "
-                                 f"(set_products('onednn')) vs transformers sdpa"))
+                res.info.append((f"{spec.name}.torch_products_speed_vs_transformers",
+                                 f"{spec.name} forward, headlab on torch's products "
+                                 f"(kernels.unused()) vs transformers sdpa"))
     finally:
         if models is None:
             cache.close()

@@ -29,6 +29,7 @@ kernel, large products bit for bit the same, both slower.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -38,6 +39,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,7 +48,7 @@ from headlab._io import cache_root
 
 log = logging.getLogger(__name__)
 
-__all__ = ["linear_rows", "matmul", "matmul_status", "status"]
+__all__ = ["linear_rows", "matmul", "matmul_status", "status", "unused"]
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("linear_rows.c", "gemm.c"))
 # tried in order: the CPU's own instructions, then portable code
@@ -59,6 +61,20 @@ _FLAG_SETS = (
 MATMUL_MIN_ROWS = 17
 MATMUL_MIN_COLS = 16
 
+_unused = False  # see `unused`
+
+
+@contextlib.contextmanager
+def unused() -> Iterator[None]:
+    """Inside this block ``linear_rows`` and ``matmul`` return None, so every product is
+    torch's: to measure what the kernels bring (``headlab bench models``)."""
+    global _unused
+    before, _unused = _unused, True
+    try:
+        yield
+    finally:
+        _unused = before
+
 
 def linear_rows(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
@@ -69,7 +85,7 @@ def linear_rows(
     callers use it only when no gradient is needed. Meant for a few rows (decoding):
     the kernel holds one weight tile in L1 while it visits every row.
     """
-    lib = _library()[0]
+    lib = None if _unused else _library()[0]
     # anything else falls to torch, which computes it or raises a readable error: the
     # kernel trusts its pointers and sizes
     if lib is None or w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[1]:
@@ -88,7 +104,7 @@ def matmul(
     transpose of a row-major tensor (an nn.Linear weight ``w`` gives ``b = w.t()``), and
     a library that passed its check on this machine (`matmul_status`). No autograd: the
     caller differentiates (see ``headlab.linear``)."""
-    if not _matmul_checked()[0]:
+    if _unused or not _matmul_checked()[0]:
         return None
     if b.dim() != 2 or a.dim() == 0 or a.shape[-1] != b.shape[0]:
         return None

@@ -23,10 +23,10 @@ import torch
 from _curvature import gauss_newton_by_hand
 from torch.testing import assert_close
 
+from headlab import kernels
 from headlab.data import Blocks, load_texts, make_blocks
 from headlab.evaluate import evaluate
 from headlab.importance import METHODS, HeadScores, score
-from headlab.linear import onednn_available, products
 
 N, S = 6, 24
 # float32 gradients of the same function, batched differently: ~1e-6 relative
@@ -116,13 +116,25 @@ def test_michel_with_masked_heads_uses_the_current_gates(tiny_gpt2, blocks):
     assert_close(michel[~absent], expected[~absent], **GRAD)
 
 
-@pytest.mark.skipif(not onednn_available(), reason="oneDNN's linear is unavailable")
-def test_onednn_products_give_the_same_scores(tiny_gpt2, blocks):
-    exact = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
-    with products("onednn"):
-        fast = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
-    assert_close(fast, exact, rtol=1e-4, atol=1e-9)
-    assert not torch.equal(fast, exact)  # the products did run on oneDNN
+def test_scores_on_headlabs_products_are_torchs_bit_for_bit(tiny_gpt2, blocks):
+    """Scoring runs its products (forward and the input's gradient) on kernels.matmul
+    where it applies; the scores are those of torch's products exactly."""
+    ran = []
+    real = kernels.matmul
+
+    def counted(*args):
+        y = real(*args)
+        ran.append(y is not None)
+        return y
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "matmul", counted)
+        own = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
+    with kernels.unused():
+        torchs = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
+    if kernels.matmul_status().startswith("C kernel"):
+        assert sum(ran) >= 2 * 3  # forward and input gradient of every block's products
+    assert torch.equal(own, torchs)
 
 
 def test_gradients_are_zeroed_per_batch(tiny_gpt2, blocks):

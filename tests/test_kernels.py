@@ -278,3 +278,14 @@ def test_matmul_is_used_on_amd_avx512_cpus():
     """Where MKL keeps to AVX2 (AMD), headlab's products must match it and be used; a
     kernel that lost torch's order would otherwise only show as a slower bench."""
     assert kernels.matmul_status().startswith("C kernel"), kernels.matmul_status()
+
+
+@needs_cc
+def test_unused_turns_both_kernels_off_for_a_block():
+    x, w = torch.randn(40, 64), torch.randn(32, 64)
+    with kernels.unused():
+        assert kernels.matmul(x, w.t()) is None
+        assert kernels.linear_rows(x[:1], w, None) is None
+    assert kernels.linear_rows(x[:1], w, None) is not None
+    if kernels.matmul_status().startswith("C kernel"):
+        assert kernels.matmul(x, w.t()) is not None

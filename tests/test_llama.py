@@ -19,7 +19,6 @@ from transformers import (
 )
 
 from headlab.generation import generate
-from headlab.linear import onednn_available, products
 from headlab.models import load
 from headlab.models.llama import LlamaConfig as HLLlamaConfig
 from headlab.models.loading import bundled_path
@@ -102,19 +101,6 @@ def test_logits_match_transformers(pair, impl):
     assert_close(got[valid], expected[valid], **LOGITS)
     if case == "mistral-window":
         assert model.config.sliding_window == 4 < ids.shape[1]
-
-
-@pytest.mark.skipif(not onednn_available(), reason="oneDNN's linear is unavailable")
-def test_onednn_products_match_transformers_too(pair):
-    """The faster opt-in products compute the same model: within the same bar."""
-    _, directory, model = pair
-    ids, mask = _batch()
-    with torch.no_grad():
-        expected = _hf(directory, "sdpa")(ids, attention_mask=mask).logits
-        with products("onednn"):
-            got = model(ids, mask).logits
-    valid = mask.bool()
-    assert_close(got[valid], expected[valid], **LOGITS)
 
 
 def test_attention_weights_match_transformers(pair):

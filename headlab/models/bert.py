@@ -27,7 +27,7 @@ from torch import nn
 
 from headlab.attention import Mask, MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
-from headlab.linear import Linear
+from headlab.linear import Linear, linear
 from headlab.models.base import (
     FamilyConfig,
     HeadModel,
@@ -157,7 +157,7 @@ class BertMLMHead(nn.Module):
     def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         h = self.ln(self.act(self.dense(h)))
         # the decoder is the embedding matrix itself: no second copy is stored or saved
-        return F.linear(h, word_embeddings, self.bias)  # (B, S, V)
+        return linear(h, word_embeddings, self.bias)  # (B, S, V)
 
 
 class Bert(HeadModel):
