@@ -1064,6 +1064,9 @@ def bench_importance(sizes: ImportanceSizes, *, device: str = "cpu",
                             "grads set to None after each batch",
         "scoring_over_forward_backward": "Michel tokens/s / forward+backward tokens/s per "
                                          "round (target >= 0.9)",
+        "torch_products": "the same scoring inside kernels.unused(): every product on "
+                          "torch's, as the forward+backward's are (parameters needing "
+                          "gradients keep to torch), to show what the kernel brings",
     }
     try:
         model = cache.headlab(sizes.model)
@@ -1079,12 +1082,16 @@ def bench_importance(sizes: ImportanceSizes, *, device: str = "cpu",
                 loss.sum().backward()
                 model.zero_grad(set_to_none=True)
 
+        def michel_on_torch_products():
+            with kernels.unused():
+                score(model, blocks, method="michel", batch_size=B)
+
         try:
             for p in model.parameters():
                 p.requires_grad_(True)
             t = time_interleaved(
                 {"michel": lambda: score(model, blocks, method="michel", batch_size=B),
-                 "fb": forward_backward},
+                 "fb": forward_backward, "michel_torch": michel_on_torch_products},
                 repeats=sizes.repeats, warmup=sizes.warmup, device=device)
         finally:
             for p, r in zip(model.parameters(), requires, strict=True):
@@ -1095,6 +1102,10 @@ def bench_importance(sizes: ImportanceSizes, *, device: str = "cpu",
         res.add("scoring_over_forward_backward", _ratios(t["fb"], t["michel"]), "x")
         res.add_target("scoring_over_forward_backward", target=0.9, op=">=",
                        what=f"Michel scoring tokens/s vs forward+backward (B={B}, S={S})")
+        res.add("torch_products_scoring_over_forward_backward",
+                _ratios(t["fb"], t["michel_torch"]), "x")
+        res.info.append(("torch_products_scoring_over_forward_backward",
+                         "the same, scoring on torch's products (kernels.unused())"))
     finally:
         if models is None:
             cache.close()

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from headlab import bench
+from headlab import bench, kernels
 from headlab.bench import (
     PRESETS,
     BenchResult,
@@ -127,6 +127,11 @@ def test_references_compute_the_same_function(tiny_run):
     for key, value in by["models"].checks.items():
         if key.endswith("max_abs_diff"):
             assert value < 1e-4, key
+    models = by["models"].checks
+    assert models["large_products"] == kernels.matmul_status()
+    if models["large_products"].startswith("C kernel"):  # the kernel changes no bit
+        for name in (m.name for m in PRESETS["tiny"]["models"].models):
+            assert models[f"{name}.max_abs_diff"] == models[f"{name}.torch_products_max_abs_diff"]
     assert by["hooks"].checks["reference_output_identical"] is True
     gen = by["generate"].checks
     assert gen["new_tokens"] == {"headlab": 8, "transformers": 8}
