@@ -319,7 +319,7 @@ class PruningSizes:
     model: ModelSpec = GPT2_SMALL
     shapes: tuple[tuple[int, int], ...] = ((16, 128), (1, 128))  # (B, S); the first is judged
     keep: float = 0.5
-    repeats: int = 5  # a ~12% effect under run-to-run noise of about as much
+    repeats: int = 15  # a ~12% effect under run-to-run noise of about as much
     warmup: int = 1
 
 
