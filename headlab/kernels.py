@@ -48,7 +48,7 @@ from headlab._io import cache_root
 
 log = logging.getLogger(__name__)
 
-__all__ = ["linear_rows", "matmul", "matmul_status", "status", "unused"]
+__all__ = ["linear_rows", "matmul", "matmul_available", "matmul_status", "status", "unused"]
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("linear_rows.c", "gemm.c"))
 # tried in order: the CPU's own instructions, then portable code
@@ -104,9 +104,8 @@ def matmul(
     transpose of a row-major tensor (an nn.Linear weight ``w`` gives ``b = w.t()``), and
     a library that passed its check on this machine (`matmul_status`). No autograd: the
     caller differentiates (see ``headlab.linear``)."""
-    if _unused or not _matmul_checked()[0]:
-        return None
-    if b.dim() != 2 or a.dim() == 0 or a.shape[-1] != b.shape[0]:
+    # the cheap checks first: a product on another device or dtype never builds the library
+    if _unused or b.dim() != 2 or a.dim() == 0 or a.shape[-1] != b.shape[0]:
         return None
     K, N = b.shape
     M = a.numel() // K if K else 0
@@ -115,6 +114,8 @@ def matmul(
     if 192 < K < 384 and K % 2:  # MKL's split of an odd K into two blocks is unknown
         return None
     if not (b.is_contiguous() or b.t().is_contiguous()) or not _bias_fits(bias, N):
+        return None
+    if not matmul_available():
         return None
     return _gemm(_library()[0], a.contiguous(), b, bias, torch.get_num_threads())
 
@@ -157,6 +158,12 @@ def status() -> str:
     """One line: whether the decoding kernel is in use, and if not, why."""
     lib, why = _library()
     return "C kernel (headlab/csrc/linear_rows.c)" if lib is not None else f"torch ({why})"
+
+
+def matmul_available() -> bool:
+    """Whether large products run on headlab's kernel here (built, and bit for bit
+    torch's on this machine); `matmul_status` says why not."""
+    return _matmul_checked()[0]
 
 
 def matmul_status() -> str:

@@ -129,7 +129,7 @@ def test_references_compute_the_same_function(tiny_run):
             assert value < 1e-4, key
     models = by["models"].checks
     assert models["large_products"] == kernels.matmul_status()
-    if models["large_products"].startswith("C kernel"):  # the kernel changes no bit
+    if kernels.matmul_available():  # the kernel changes no bit
         for name in (m.name for m in PRESETS["tiny"]["models"].models):
             assert models[f"{name}.max_abs_diff"] == models[f"{name}.torch_products_max_abs_diff"]
     assert by["hooks"].checks["reference_output_identical"] is True

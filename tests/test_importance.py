@@ -132,7 +132,7 @@ def test_scores_on_headlabs_products_are_torchs_bit_for_bit(tiny_gpt2, blocks):
         own = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
     with kernels.unused():
         torchs = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
-    if kernels.matmul_status().startswith("C kernel"):
+    if kernels.matmul_available():
         assert sum(ran) >= 2 * 3  # forward and input gradient of every block's products
     assert torch.equal(own, torchs)
 
