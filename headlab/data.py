@@ -2,16 +2,18 @@
 
 ``--data`` accepts:
     nothing                         the bundled English text (small: a warning says so)
-    path.txt                        paragraphs separated by blank lines
+    path.txt                        prose: paragraphs separated by blank lines
     path.jsonl / .csv / .tsv        rows; the text column(s) and label column inferred
     name:config:split               a Hugging Face dataset, e.g. wikitext:wikitext-2-raw-v1:test
 Language models read the text as one stream cut into fixed-length blocks; classifiers
-and sentence encoders read one example (or sentence pair) per row.
+read one example (or sentence pair) per row; sentence encoders read one row each too,
+and prose (the bundled text, .txt files) one sentence each.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -43,6 +45,7 @@ class TextData:
     labels: list[int] | None = None
     spec: str = BUNDLED_SPEC
     warning: str | None = None
+    prose: bool = False  # running text in paragraphs, which sentence encoders cut up
 
 
 @dataclass
@@ -74,12 +77,17 @@ class Blocks:
                       {k: v[index] for k, v in self.extras.items()})
 
     def batches(self, batch_size: int):
-        """Yield dicts (input_ids, attention_mask, labels, extras) of at most batch_size rows."""
+        """Yield dicts (input_ids, attention_mask, labels, extras) of at most batch_size rows,
+        cut after the batch's last real token: padding beyond it is attended by nothing."""
         for start in range(0, len(self), batch_size):
             rows = slice(start, start + batch_size)
-            batch = {"input_ids": self.input_ids[rows], "attention_mask": self.attention_mask[rows]}
+            mask = self.attention_mask[rows]
+            real = mask.any(0).nonzero()
+            cols = slice(0, int(real[-1]) + 1 if len(real) else mask.shape[1])
+            batch = {"input_ids": self.input_ids[rows, cols], "attention_mask": mask[:, cols]}
             if self.labels is not None:
-                batch["labels"] = self.labels[rows]
+                batch["labels"] = self.labels[rows, cols] if self.labels.dim() == 2 else \
+                    self.labels[rows]
             batch.update({k: v[rows] for k, v in self.extras.items()})
             yield batch
 
@@ -101,7 +109,7 @@ def load_texts(
     """Read examples from ``spec`` (see the module docstring)."""
     if spec is None or spec == BUNDLED_SPEC:
         paragraphs = _paragraphs(bundled_text())
-        return TextData(paragraphs, spec=BUNDLED_SPEC, warning=BUNDLED_WARNING)
+        return TextData(paragraphs, spec=BUNDLED_SPEC, warning=BUNDLED_WARNING, prose=True)
     path = Path(spec)
     suffix = path.suffix.lower()
     if suffix in (".txt", ".jsonl", ".json", ".csv", ".tsv"):
@@ -113,7 +121,7 @@ def load_texts(
             texts = _paragraphs(path.read_text("utf-8", errors="replace"))
             if not texts:
                 raise DataError(f"data file {spec} holds no text")
-            return TextData(texts, spec=str(spec))
+            return TextData(texts, spec=str(spec), prose=True)
         return _from_rows(_local_rows(path), str(spec), text_column, label_column)
     if spec.count(":") >= 1 and not path.exists():
         return _from_rows(_hub_rows(spec), spec, text_column, label_column)
@@ -126,6 +134,41 @@ def load_texts(
 
 def _paragraphs(text: str) -> list[str]:
     return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+# a candidate sentence end: . ! or ?, any closing quotes or brackets, then white space
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]\u201d\u2019]*\s+")
+_SENTENCE_START = re.compile(r"[\"'(\[\u201c\u2018]*[A-Z0-9]")
+# words a full stop follows without ending the sentence ("no" is left out: "No." is one)
+_ABBREVIATIONS = frozenset((
+    "mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "mt", "capt", "col", "gen", "lt", "sgt",
+    "rev", "hon", "vs", "etc", "cf", "al", "fig", "approx", "dept", "est", "inc", "ltd", "co",
+    "corp", "e.g", "i.e"))
+
+
+def sentences(text: str) -> list[str]:
+    """Cut prose into sentences, white space inside each folded to single spaces.
+
+    A sentence ends at . ! or ? (with any closing quotes or brackets) followed by white
+    space and a capital, a digit or an opening quote, except where the full stop follows
+    an abbreviation (Mr., e.g.), an initial (J.) or a number (a list's "3.").
+    """
+    text = " ".join(text.split())
+    out, start = [], 0
+    for end in _SENTENCE_END.finditer(text):
+        if not _SENTENCE_START.match(text, end.end()):
+            continue
+        stop = text[end.start():end.end()].strip()
+        if stop.startswith(".") and not stop.startswith(".."):
+            word = text[start:end.start()].rsplit(" ", 1)[-1].lstrip("\"'([\u201c\u2018")
+            if (word.lower() in _ABBREVIATIONS or (len(word) == 1 and word.isalpha())
+                    or word.isdigit()):
+                continue
+        out.append(text[start:end.end()].strip())
+        start = end.end()
+    if text[start:].strip():
+        out.append(text[start:].strip())
+    return out
 
 
 def _local_rows(path: Path):
@@ -212,12 +255,17 @@ def make_blocks(
 
     causal-lm: one stream of texts joined by EOS, cut into full blocks of seq_len.
     masked-lm: the same stream cut into blocks wrapped in [CLS] ... [SEP].
-    classifier / embedding: one (padded, truncated) row per example or pair.
+    classifier / embedding: one (padded, truncated) row per example or pair; an
+    embedding model reads prose (``data.prose``) one sentence per row, the unit its
+    embeddings and their fidelity are about.
     """
     if seq_len < 4:
         raise DataError(f"seq_len must be >= 4, got {seq_len}")
     if kind in ("causal-lm", "masked-lm"):
         return _stream_blocks(data, tokenizer, kind=kind, seq_len=seq_len, max_tokens=max_tokens)
+    if kind == "embedding" and data.prose:
+        data = TextData([s for text in data.texts for s in sentences(text)], spec=data.spec,
+                        warning=data.warning)
     return _row_blocks(data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
 
 

@@ -25,6 +25,7 @@ from headlab.data import (
     bundled_text,
     load_texts,
     make_blocks,
+    sentences,
     split_blocks,
 )
 
@@ -240,6 +241,55 @@ def test_pairs_become_one_row_each(bpe_tokenizer):
 
 
 # ---------------------------------------------------------------------- split
+def test_sentences_end_at_stops_not_at_abbreviations_initials_or_list_numbers():
+    text = ('"Mr. Abernathy?" she called.  The bell\ngave its cough. "It\'s Ruth. From the '
+            'bakery." J. R. Hartley wrote e.g. this, at 11.00 p.m. on Friday. 1. Grant of '
+            "Licence. No. Why not?! Wait... (Then he left.) Done")
+    assert sentences(text) == [
+        '"Mr. Abernathy?" she called.', "The bell gave its cough.", '"It\'s Ruth.',
+        'From the bakery."', "J. R. Hartley wrote e.g. this, at 11.00 p.m. on Friday.",
+        "1. Grant of Licence.", "No.", "Why not?!", "Wait...", "(Then he left.)", "Done"]
+    assert sentences("  ") == [] and sentences("no stop at all") == ["no stop at all"]
+
+
+def test_sentence_encoders_read_prose_a_sentence_per_row(bpe_tokenizer, tmp_path):
+    path = tmp_path / "prose.txt"
+    path.write_text("One short line. Another one here!\n\nA second paragraph? Yes.\n")
+    data = load_texts(str(path))
+    assert data.texts == ["One short line. Another one here!", "A second paragraph? Yes."]
+    rows = make_blocks(data, bpe_tokenizer, kind="embedding", seq_len=64)
+    want = ["One short line.", "Another one here!", "A second paragraph?", "Yes."]
+    assert rows.attention_mask.sum(1).tolist() == [len(bpe_tokenizer(t)["input_ids"])
+                                                   for t in want]
+    assert rows.input_ids[1, :4].tolist() == bpe_tokenizer(want[1])["input_ids"][:4]
+    # rows the user gave (jsonl, csv, datasets) stay whole, and classifiers read rows
+    assert len(make_blocks(TextData(data.texts), bpe_tokenizer, kind="embedding",
+                           seq_len=64)) == 2
+    assert len(make_blocks(data, bpe_tokenizer, kind="classifier", seq_len=64)) == 2
+    bundled = make_blocks(load_texts(), bpe_tokenizer, kind="embedding", seq_len=128)
+    assert len(bundled) > 3 * len(load_texts().texts)
+
+
+def test_batches_drop_the_padding_no_row_of_the_batch_reaches(bpe_tokenizer):
+    texts = ["a b c d e f g h i j k l", "a b", "a b c", "a"]
+    blocks = make_blocks(TextData(texts, labels=[0, 1, 0, 1]), bpe_tokenizer,
+                         kind="classifier", seq_len=64)
+    lengths = blocks.attention_mask.sum(1).tolist()
+    batches = list(blocks.batches(2))
+    assert [b["input_ids"].shape[1] for b in batches] == [max(lengths[:2]), max(lengths[2:])]
+    assert batches[1]["input_ids"].shape[1] < blocks.input_ids.shape[1]
+    for b, rows in zip(batches, (slice(0, 2), slice(2, 4)), strict=True):
+        width = b["input_ids"].shape[1]
+        assert torch.equal(b["input_ids"], blocks.input_ids[rows, :width])
+        assert torch.equal(b["attention_mask"], blocks.attention_mask[rows, :width])
+        assert torch.all(blocks.attention_mask[rows, width:] == 0)
+        assert torch.equal(b["labels"], blocks.labels[rows])
+    # token labels (masked-LM) are cut with the tokens
+    tokens = Blocks(blocks.input_ids, blocks.attention_mask, blocks.input_ids.clone())
+    assert [b["labels"].shape for b in tokens.batches(2)] == [b["input_ids"].shape
+                                                           for b in batches]
+
+
 def _numbered(n: int) -> Blocks:
     """Blocks whose row i holds the value i, so rows can be told apart after a split."""
     ids = torch.arange(n)[:, None].expand(n, 8).clone()
