@@ -135,6 +135,14 @@ DataOpt = Annotated[str | None, typer.Option(
 MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
 OutOpt = Annotated[Path | None, typer.Option(
     help="Run directory (default reports/<model>-<method>-keep<k>-<time>/).")]
+NormalizeOpt = Annotated[bool | None, typer.Option(
+    "--normalize/--no-normalize", show_default=False,
+    help="Divide each layer's scores by their l2 norm (Michel et al.); default: on, but off "
+         "for taylor, ablation and random.")]
+MinmaxOpt = Annotated[bool, typer.Option(
+    help="Rescale all scores to [0, 1] (as the bertology script did).")]
+PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
+ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
 
 
 def _summary(results: dict, out: Path) -> dict:
@@ -236,6 +244,10 @@ def prune(
     = None,
     compare: Annotated[list[Method] | None, typer.Option(
         help="More methods to draw a curve for (repeat the option).")] = None,
+    normalize: NormalizeOpt = None,
+    global_minmax: MinmaxOpt = False,
+    per_token: PerTokenOpt = False,
+    probes: ProbesOpt = 4,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")] = False,
     json_mode: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
     resume: ResumeOpt = None,
@@ -252,7 +264,8 @@ def prune(
         label_column=label_column, max_tokens=max_tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value,
         out=str(out) if out else None, overwrite=overwrite, export=export,
-        compare=[m.value for m in compare or []],
+        compare=[m.value for m in compare or []], normalize=normalize,
+        global_minmax=global_minmax, per_token=per_token, probes=probes,
     )
     _guard(_execute, config, quiet, json_mode, resume)
 
@@ -268,9 +281,10 @@ def score(
     seq_len: Annotated[int | None, typer.Option(help="Block length.")] = None,
     batch_size: Annotated[int, typer.Option(help="Blocks per batch.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
-    per_token: Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
-    = False,
-    probes: Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")] = 4,
+    normalize: NormalizeOpt = None,
+    global_minmax: MinmaxOpt = False,
+    per_token: PerTokenOpt = False,
+    probes: ProbesOpt = 4,
     device: Annotated[Device, typer.Option(help="auto picks CUDA when present.")] = Device.auto,
     dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DType.float32,
     out: OutOpt = None,
@@ -286,8 +300,9 @@ def score(
     _setup(quiet, json_mode)
     config = dict(model=model, command="score", method=method.value, data=data,
                   text_column=text_column, label_column=label_column, max_tokens=max_tokens,
-                  seq_len=seq_len, batch_size=batch_size, seed=seed, per_token=per_token,
-                  probes=probes, device=device.value, dtype=dtype.value,
+                  seq_len=seq_len, batch_size=batch_size, seed=seed, normalize=normalize,
+                  global_minmax=global_minmax, per_token=per_token, probes=probes,
+                  device=device.value, dtype=dtype.value,
                   out=str(out) if out else None, overwrite=overwrite)
     _guard(_execute, config, quiet, json_mode, resume)
 

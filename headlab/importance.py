@@ -43,6 +43,7 @@ METHODS = ("michel", "fisher", "taylor", "ablation", "entropy", "confidence", "r
 # comparable across layers as they are: layer-l2 normalisation is off by default. On
 # MiniLM it cost ablation 0.44-0.48 vs 0.35-0.39 of random pruning's fidelity loss.
 LOSS_ESTIMATES = ("taylor", "ablation")
+PER_TOKEN_METHODS = ("michel", "fisher")  # the gradient methods a gate per token serves
 
 
 @dataclass
@@ -153,7 +154,7 @@ def score(
                          f"{distributed.world_size()} ranks; give more data, smaller batches "
                          "or fewer processes")
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
-    if per_token and method not in ("michel", "fisher"):
+    if per_token and method not in PER_TOKEN_METHODS:
         raise ValueError(f"per-token gates apply to michel and fisher, not {method}")
     if method == "taylor" and probes < 1:
         raise ValueError(f"taylor needs at least one curvature probe per batch, got {probes}")

@@ -254,7 +254,7 @@ def versus_random(
     scoring: Blocks,
     heldout: Blocks,
     *,
-    method: str | Sequence[str] = "michel",
+    method: str | Sequence[str] | Mapping[str, tuple[str, Mapping]] = "michel",
     keep: float = 0.6,
     seeds: tuple[int, ...] = (0, 1, 2),
     **prune_kw,
@@ -262,29 +262,40 @@ def versus_random(
     """Held-out quality lost by pruning with ``method`` (one or several) vs with random
     scores.
 
-    Prunes (by masking) to ``keep`` once per method and once per random seed, all from
-    the unpruned model, and restores the model after each. A loss is the change in the
-    model's metric in its bad direction (perplexity up, fidelity or accuracy down).
-    Returns ``{"metric", "before", "lost": {<method>, "random:<seed>": ...},
-    "random_mean", "ratios": {<method>: ...}, "ratio"}``: a ratio is lost by the method
+    ``method`` is a method's name, several names, or named variants ``{label: (method,
+    score_kwargs)}``, e.g. ``{"michel": ("michel", {}), "michel_unnormalised":
+    ("michel", {"normalize": False})}``. Prunes (by masking) to ``keep`` once per method
+    and once per random seed, all from the unpruned model, and restores the model after
+    each; random takes no scoring options. A loss is the change in the model's metric in
+    its bad direction (perplexity up, fidelity or accuracy down).
+    Returns ``{"metric", "before", "lost": {<label>, "random:<seed>": ...},
+    "random_mean", "ratios": {<label>: ...}, "ratio"}``: a ratio is lost by the method
     / mean lost by random, ``ratio`` the first method's; under 1 the scorer beats
     chance, and Michel et al.'s claim is that it does by far.
     """
-    methods = [method] if isinstance(method, str) else list(method)
+    if isinstance(method, str):
+        trials = {method: (method, {})}
+    elif isinstance(method, Mapping):
+        trials = {label: (name, dict(kw)) for label, (name, kw) in method.items()}
+    else:
+        trials = {name: (name, {}) for name in method}
+    shared = dict(prune_kw.pop("score_kwargs", None) or {})
     batch_size = prune_kw.get("batch_size", 8)
     before = evaluate(model, heldout, batch_size=batch_size)
     sign = -1 if before.higher_is_better else 1
+    runs = [(label, name, 0, {**shared, **kw}) for label, (name, kw) in trials.items()]
+    runs += [(f"random:{seed}", "random", seed, {}) for seed in seeds]
     lost: dict[str, float] = {}
-    for name, seed in [(m, 0) for m in methods] + [("random", s) for s in seeds]:
+    for label, name, seed, kw in runs:
         with gates_restored(model):
             prune_to_target(model, scoring, heldout, method=name, keep=keep, seed=seed,
-                            **prune_kw)
+                            score_kwargs=kw, **prune_kw)
             after = evaluate(model, heldout, batch_size=batch_size)
-        lost[name if name != "random" else f"random:{seed}"] = sign * (after.value - before.value)
+        lost[label] = sign * (after.value - before.value)
     random_mean = sum(lost[f"random:{s}"] for s in seeds) / len(seeds)
-    ratios = {m: lost[m] / random_mean if random_mean > 0 else math.nan for m in methods}
+    ratios = {m: lost[m] / random_mean if random_mean > 0 else math.nan for m in trials}
     return {"metric": before.metric, "before": before.value, "lost": lost,
-            "random_mean": random_mean, "ratios": ratios, "ratio": ratios[methods[0]]}
+            "random_mean": random_mean, "ratios": ratios, "ratio": ratios[next(iter(trials))]}
 
 
 @contextlib.contextmanager

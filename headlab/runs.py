@@ -31,7 +31,7 @@ from headlab.data import (
     split_blocks,
 )
 from headlab.evaluate import evaluate, prepare
-from headlab.importance import METHODS, score
+from headlab.importance import METHODS, PER_TOKEN_METHODS, score
 from headlab.models.base import HeadModel
 from headlab.models.loading import load
 from headlab.pruning import (
@@ -74,6 +74,7 @@ class RunConfig:
     heldout: float = 0.5
     seed: int = 0
     normalize: bool | None = None  # None: the method's default (see importance.score)
+    global_minmax: bool = False  # rescale all scores to [0, 1] (the ranking is unchanged)
     per_token: bool = False
     probes: int = 4  # taylor's curvature probes per batch
     device: str = "auto"
@@ -110,6 +111,9 @@ class RunConfig:
         for m in [self.method, *self.compare]:
             if m not in METHODS:
                 raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if self.per_token and self.method not in PER_TOKEN_METHODS:
+            raise UserError(f"--per-token applies to {' and '.join(PER_TOKEN_METHODS)}, "
+                            f"not {self.method}")
         if self.keep is not None and not (0 < self.keep <= 1):
             raise UserError(f"--keep must be in (0, 1], got {self.keep}")
         if self.keep is not None and self.prune is not None:
@@ -402,8 +406,9 @@ def _json_safe(x):
 def _score_only(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len,
                 checkpoint) -> dict:
     scores = score(model, scoring, method=cfg.method, batch_size=cfg.batch_size,
-                   normalize=cfg.normalize, per_token=cfg.per_token, probes=cfg.probes,
-                   seed=cfg.seed, checkpoint=checkpoint)
+                   normalize=cfg.normalize, global_minmax=cfg.global_minmax,
+                   per_token=cfg.per_token, probes=cfg.probes, seed=cfg.seed,
+                   checkpoint=checkpoint)
     q = evaluate(model, heldout, batch_size=cfg.batch_size)
     results = _base_results(cfg, model, scoring, heldout, seq_len)
     results.update({
@@ -437,16 +442,19 @@ def _prune(cfg: RunConfig, out: Path, model, scoring, heldout, seq_len, checkpoi
         log.info("analysing heads on a held-out sample")
         analysis = head_analysis(model, heldout, cfg)
 
-    kw = {"normalize": cfg.normalize, "per_token": cfg.per_token, "probes": cfg.probes}
+    kw = {"normalize": cfg.normalize, "global_minmax": cfg.global_minmax,
+          "per_token": cfg.per_token, "probes": cfg.probes}
     curves: dict[str, list[dict]] = {}
     for method in [m for m in cfg.compare if m != cfg.method]:
+        # the run's options where they apply: per-token gates to michel and fisher only
+        method_kw = {**kw, "per_token": cfg.per_token and method in PER_TOKEN_METHODS}
         log.info("comparison curve: %s", method)
         with gates_restored(model):  # the next method starts from the unpruned gates
             res = prune_to_target(model, scoring, heldout, method=method, keep=cfg.keep,
                                   prune=cfg.prune, schedule=cfg.schedule, step=cfg.step,
                                   per_layer=cfg.per_layer,
                                   min_heads_per_layer=cfg.min_heads_per_layer,
-                                  batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=kw,
+                                  batch_size=cfg.batch_size, seed=cfg.seed, score_kwargs=method_kw,
                                   checkpoint=checkpoint)
         curves[method] = res.curve
 

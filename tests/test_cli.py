@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch.testing import assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -101,6 +103,8 @@ def test_existing_run_dir_not_overwritten(pruned_run, tiny_gpt2_dir):
          "does not exist"),
         (["prune", "--model", "minilm-l6", "--keep", "0.5", "--device", "cuda"], "no CUDA GPU"),
         (["run", "recipes/does-not-exist.toml"], "does not exist"),
+        (["prune", "--model", "minilm-l6", "--keep", "0.5", "--method", "taylor", "--per-token"],
+         "--per-token applies to michel and fisher, not taylor"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):
@@ -164,6 +168,37 @@ def test_score_with_taylor_takes_the_probe_count(tiny_gpt2_dir, tmp_path):
     assert len(flat) == 12 and all(isinstance(v, float) for v in flat)
     r = headlab("score", "--model", str(tiny_gpt2_dir), "--probes", "0")
     assert r.returncode == 2 and "probes must be >= 1" in r.stderr
+
+
+def test_score_normalisation_options(tiny_gpt2_dir, tmp_path):
+    """Default: each layer's michel scores have unit l2 norm; --no-normalize gives the
+    raw E|dL/dxi| (the same ranking within a layer); --global-minmax rescales to [0, 1]."""
+    got = {}
+    for name, flags in (("l2", []), ("raw", ["--no-normalize"]),
+                        ("minmax", ["--global-minmax"])):
+        r = headlab("score", "--model", str(tiny_gpt2_dir), "--max-tokens", "1024",
+                    "--seq-len", "32", "--out", str(tmp_path / name), *flags)
+        assert r.returncode == 0, r.stderr
+        results = json.loads((tmp_path / name / "results.json").read_text())
+        got[name] = (torch.tensor(results["importance"], dtype=torch.float64),
+                     results["importance_normalisation"])
+    (l2, l2_name), (raw, raw_name), (minmax, minmax_name) = got["l2"], got["raw"], got["minmax"]
+    assert (l2_name, raw_name, minmax_name) == ("layer-l2", None, "layer-l2+minmax")
+    assert_close(l2.norm(dim=1), torch.ones(l2.shape[0], dtype=torch.float64))
+    assert_close(raw / raw.norm(dim=1, keepdim=True), l2)
+    assert not torch.allclose(raw.norm(dim=1), torch.ones(raw.shape[0], dtype=torch.float64))
+    assert_close(minmax, (l2 - l2.min()) / (l2.max() - l2.min()))
+
+
+def test_prune_takes_per_token_gates_beside_a_random_curve(tiny_gpt2_dir, tmp_path):
+    """The run's per-token option goes to michel, not to the random comparison."""
+    out = tmp_path / "pt"
+    r = headlab("prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--max-tokens",
+                "1024", "--seq-len", "32", "--per-token", "--compare", "random", "--out",
+                str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["per_token"] is True
+    assert set(json.loads((out / "results.json").read_text())["curves"]) == {"michel", "random"}
 
 
 def test_ctrl_c_leaves_interrupted_status_and_no_partial_results(tiny_gpt2_dir, tmp_path):

@@ -297,6 +297,34 @@ def test_versus_random_reports_each_run_and_restores_the_model(tiny_gpt2, tiny_g
     assert result["metric"] == "perplexity" and result["before"] == before.value
 
 
+def test_versus_random_takes_named_variants_and_keeps_options_from_random(tiny_gpt2_dir,
+                                                                        data):
+    """Variants of one method race the same random runs; options shared by every
+    variant (per-token gates) never reach random, which takes none."""
+    def loud_first_layer():  # its heads outscore the rest unless layers are normalised
+        model = _masked_copy(tiny_gpt2_dir, {})
+        with torch.no_grad():
+            model.attentions[0].o_proj.weight.mul_(30)
+        return model
+
+    scoring, heldout = data
+    model = loud_first_layer()
+    before = evaluate(model, heldout, batch_size=4)
+    variants = {"paper": ("michel", {}), "raw": ("michel", {"normalize": False})}
+    result = versus_random(model, scoring, heldout, method=variants, keep=0.5, seeds=(0,),
+                           step=0.5, batch_size=4, score_kwargs={"per_token": True})
+    assert set(result["lost"]) == {"paper", "raw", "random:0"}
+    assert set(result["ratios"]) == {"paper", "raw"}
+    assert result["ratio"] is result["ratios"]["paper"]
+    assert result["lost"]["paper"] != result["lost"]["raw"]  # the options were applied
+    for label, kw in (("paper", {}), ("raw", {"normalize": False})):
+        res = prune_to_target(loud_first_layer(), scoring, heldout, method="michel",
+                              keep=0.5, step=0.5, batch_size=4,
+                              score_kwargs={"per_token": True, **kw})
+        assert_close(result["lost"][label], res.curve[-1]["quality"] - before.value,
+                     rtol=1e-9, atol=0)
+
+
 # ---------------------------------------------------------------------- measured speed
 def test_compare_latency_times_both_models_in_the_same_rounds(tiny_gpt2, tiny_gpt2_dir):
     """A model made 20 ms slower per forward is measured 20 ms slower, and each model is
