@@ -62,6 +62,9 @@ def test_prune_writes_results_report_and_model(pruned_run):
     assert summary["quality_after"] == pytest.approx(results["quality"]["after"], rel=1e-12)
     assert summary["params_after"] == results["params"]["after"] < results["params"]["before"]
     assert [p["fraction_pruned"] for p in results["curve"]][-1] == pytest.approx(0.5)
+    data = results["data"]  # 2048 tokens in blocks of 64, split in half
+    assert (data["scoring_examples"], data["heldout_examples"]) == (16, 16)
+    assert data["scoring_tokens"] == data["heldout_tokens"] == 16 * 64
     assert set(results["curves"]) == {"michel", "random"}
     lat = results["latency_ms"]
     assert lat["before"] > 0 and lat["after"] > 0 and (lat["batch"], lat["seq_len"]) == (4, 64)

@@ -368,3 +368,12 @@ def test_unnormalised_importance_says_none(tmp_path):
          "importance_normalisation": None}
     html = build_report(r, tmp_path / "r.html").read_text("utf-8")
     assert "<dt>importance normalisation</dt><dd>none</dd>" in html
+
+
+def test_summary_counts_the_examples_beside_the_tokens(tmp_path):
+    r = {"model": "m", "method": "michel", "heads_total": 2, "importance": [[0.1, 0.2]],
+         "data": {"scoring_tokens": 8237, "heldout_tokens": 8120,
+                  "scoring_examples": 354, "heldout_examples": 355}}
+    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    assert "<dt>tokens (scoring / held-out)</dt><dd>8,237 / 8,120</dd>" in html
+    assert "<dt>examples (scoring / held-out)</dt><dd>354 / 355</dd>" in html

@@ -166,6 +166,11 @@ def run_facts(results: dict) -> dict[str, str]:
             f"{data[k]:,}" if isinstance(data.get(k), int) else "?"
             for k in ("scoring_tokens", "heldout_tokens"))
             if data.get("scoring_tokens") or data.get("heldout_tokens") else None),
+        # rows: blocks of a language model's stream, or examples (sentences) of an encoder
+        ("examples (scoring / held-out)", " / ".join(
+            f"{data[k]:,}" for k in ("scoring_examples", "heldout_examples"))
+            if isinstance(data.get("scoring_examples"), int)
+            and isinstance(data.get("heldout_examples"), int) else None),
         ("sequence length", data.get("seq_len")),
         ("importance normalisation", results.get("importance_normalisation")
          or ("none" if results.get("importance") else None)),
