@@ -86,8 +86,8 @@ class Blocks:
             cols = slice(0, int(real[-1]) + 1 if len(real) else mask.shape[1])
             batch = {"input_ids": self.input_ids[rows, cols], "attention_mask": mask[:, cols]}
             if self.labels is not None:
-                batch["labels"] = self.labels[rows, cols] if self.labels.dim() == 2 else \
-                    self.labels[rows]
+                per_token = self.labels.dim() == 2  # masked-LM token labels, cut with the tokens
+                batch["labels"] = self.labels[rows, cols] if per_token else self.labels[rows]
             batch.update({k: v[rows] for k, v in self.extras.items()})
             yield batch
 

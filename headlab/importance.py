@@ -155,7 +155,8 @@ def score(
                          "or fewer processes")
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     if per_token and method not in PER_TOKEN_METHODS:
-        raise ValueError(f"per-token gates apply to michel and fisher, not {method}")
+        raise ValueError(f"per-token gates apply to {' and '.join(PER_TOKEN_METHODS)}, "
+                         f"not {method}")
     if method == "taylor" and probes < 1:
         raise ValueError(f"taylor needs at least one curvature probe per batch, got {probes}")
     if method in ("michel", "fisher", "taylor"):

@@ -1,5 +1,6 @@
-"""Shared fixtures: a small BPE tokenizer trained on the bundled text, and tiny random
-checkpoints written with transformers' save_pretrained (the hub is unreachable here)."""
+"""Shared fixtures: a small BPE tokenizer trained on the bundled text, tiny random
+checkpoints written with transformers' save_pretrained (the hub is unreachable here),
+and a record of the products headlab's matmul kernel ran."""
 
 from __future__ import annotations
 
@@ -53,3 +54,21 @@ def tiny_gpt2(tiny_gpt2_dir):
     import headlab
 
     return headlab.load(tiny_gpt2_dir)
+
+
+@pytest.fixture()
+def matmul_runs(monkeypatch) -> list[bool]:
+    """One entry per call of ``kernels.matmul`` in the test: True where the kernel ran,
+    False where it declined (torch then computes the product)."""
+    from headlab import kernels
+
+    ran: list[bool] = []
+    real = kernels.matmul
+
+    def counted(*args):
+        y = real(*args)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(kernels, "matmul", counted)
+    return ran

@@ -226,19 +226,11 @@ def test_matmul_unused_when_it_is_not_torchs_order(fresh, monkeypatch, caplog):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("input_major", [False, True])
 def test_linear_runs_large_products_on_matmul_with_torchs_results_and_gradients(
-    monkeypatch, bias, input_major
+    matmul_runs, bias, input_major
 ):
     """Inference and frozen-weight scoring take the kernel; results and the input's
     gradient equal autograd through F.linear bit for bit."""
-    ran = []
-    real = kernels.matmul
-
-    def counted(*args):
-        y = real(*args)
-        ran.append(y is not None)
-        return y
-
-    monkeypatch.setattr(kernels, "matmul", counted)
+    ran = matmul_runs
     torch.manual_seed(0)
     lin = Linear(576, 192, bias=bias).requires_grad_(False)
     if input_major:
