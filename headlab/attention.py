@@ -40,7 +40,6 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from headlab.hookpoint import HookPoint, run_hook
-from headlab.linear import Linear
 
 __all__ = ["KVCache", "Mask", "MultiHeadAttention", "apply_rotary"]
 
@@ -278,10 +277,10 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = dropout
-        self.q_proj = Linear(d_model, n_heads * head_dim, bias=bias)
-        self.k_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.v_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.o_proj = Linear(n_heads * head_dim, d_model, bias=out_bias)
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
 
         # original indices of the heads still present, and each query head's kv head
         self.register_buffer("head_ids", torch.arange(n_heads), persistent=True)

@@ -1326,7 +1326,7 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
 
 
 def _resolve_device(device: str) -> str:
-    from headlab.runs import UserError
+    from headlab.errors import UserError
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -1346,7 +1346,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
     recorded as failed (its JSON holds the error) and the others still run; a UserError
     naming the failures is raised at the end.
     """
-    from headlab.runs import UserError
+    from headlab.errors import UserError
 
     names = list(BENCHMARKS) if which == "all" else [which]
     if which != "all" and which not in BENCHMARKS:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import tomllib
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -105,9 +104,9 @@ def _fail(message: str, code: int = 2) -> None:
 def _guard(fn, *args, **kwargs):
     """Run fn, turning the errors a user can act on into one line and exit code 2."""
     from headlab.data import DataError
+    from headlab.errors import UserError
     from headlab.hooks import CaptureTooLargeError
     from headlab.models.loading import ModelNotFoundError
-    from headlab.runs import UserError
 
     try:
         return fn(*args, **kwargs)
@@ -199,7 +198,9 @@ def _print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
 
 def _execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = None) -> None:
     from headlab import distributed
-    from headlab.runs import RunConfig, UserError, run
+    from headlab.config import RunConfig
+    from headlab.errors import UserError
+    from headlab.runs import run
 
     if resume is None and not config.get("model"):
         raise UserError("give --model (or --resume RUN_DIR to continue a run)")
@@ -332,8 +333,9 @@ def eval_(
     _setup(quiet, json_mode)
 
     def body():
+        from headlab.config import RunConfig
         from headlab.evaluate import evaluate
-        from headlab.runs import RunConfig, build_data, load_model
+        from headlab.runs import build_data, load_model
 
         cfg = RunConfig.from_dict(dict(
             model=model, command="eval", data=data, text_column=text_column,
@@ -441,32 +443,12 @@ def run_recipe(
     _setup(quiet, json_mode)
 
     def body():
+        from headlab.config import load_recipe
+
         config = load_recipe(recipe, overrides or [])
         _execute(config, quiet, json_mode)
 
     _guard(body)
-
-
-def load_recipe(path: Path, overrides: list[str]) -> dict:
-    """Read a TOML recipe and apply ``key=value`` overrides (values parsed as TOML)."""
-    from headlab.runs import RunConfig, UserError
-
-    if not path.is_file():
-        raise UserError(f"recipe {path} does not exist; see recipes/ for examples")
-    try:
-        config = tomllib.loads(path.read_text("utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"recipe {path} is not valid TOML: {exc}") from exc
-    for item in overrides:
-        if "=" not in item:
-            raise UserError(f"override {item!r} must look like key=value")
-        key, value = item.split("=", 1)
-        try:
-            config[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            config[key.strip()] = value
-    RunConfig.from_dict(config)  # validate now: unknown keys and bad values say so
-    return config
 
 
 def main() -> None:

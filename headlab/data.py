@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from headlab.errors import DataError
+
 log = logging.getLogger(__name__)
 
 BUNDLED_SPEC = "bundled:english"
@@ -30,10 +32,6 @@ _TEXT_COLUMNS = ("text", "sentence", "content", "document", "review", "question"
 _PAIR_COLUMNS = (("premise", "hypothesis"), ("sentence1", "sentence2"),
                  ("question", "sentence"), ("question1", "question2"))
 _LABEL_COLUMNS = ("label", "labels", "gold_label")
-
-
-class DataError(ValueError):
-    """The data cannot be used; the message says what was wrong and what to do."""
 
 
 @dataclass

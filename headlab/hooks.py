@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from headlab.attention import MultiHeadAttention
+from headlab.errors import CaptureTooLargeError
 from headlab.hookpoint import HookPoint
 
 __all__ = [
@@ -41,19 +42,6 @@ __all__ = [
 # per-head tensors: which dim holds heads
 _HEAD_DIM = {"q": 2, "k": 2, "v": 2, "z": 2, "scores": 1, "pattern": 1}
 _DEFAULT_LIMIT = 2 * 2**30
-
-
-class CaptureTooLargeError(MemoryError):
-    """A capture would store more than the limit; the message lists the ways out.
-
-    ``needed`` and ``limit`` hold the estimate and the limit, in bytes.
-    """
-
-    def __init__(self, message: str, *, needed: int | None = None,
-                 limit: int | None = None) -> None:
-        super().__init__(message)
-        self.needed = needed
-        self.limit = limit
 
 
 def hook_names(model: nn.Module) -> list[str]:

@@ -8,13 +8,11 @@ report.html, model/ and status.json (running / interrupted / complete).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
 import logging
 import math
 import statistics
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import torch
 from headlab import __version__, distributed
 from headlab._io import atomic_write_json
 from headlab.checkpoint import Checkpoint
+from headlab.config import DTYPES, RunConfig, resolve_device
 from headlab.data import (
     BUNDLED_SPEC,
     BUNDLED_WARNING,
@@ -30,8 +29,9 @@ from headlab.data import (
     make_blocks,
     split_blocks,
 )
+from headlab.errors import UserError
 from headlab.evaluate import evaluate, prepare
-from headlab.importance import METHODS, PER_TOKEN_METHODS, score
+from headlab.importance import PER_TOKEN_METHODS, score
 from headlab.models.base import HeadModel
 from headlab.models.loading import load
 from headlab.pruning import (
@@ -43,143 +43,6 @@ from headlab.pruning import (
 )
 
 log = logging.getLogger("headlab")
-
-COMMANDS = ("prune", "score", "eval")
-
-
-class UserError(ValueError):
-    """Bad input from the user: one line saying what was wrong and what to do."""
-
-
-@dataclass
-class RunConfig:
-    """Everything that defines a run; recipes and CLI flags set these keys."""
-
-    model: str
-    command: str = "prune"
-    method: str = "michel"
-    compare: list[str] = field(default_factory=list)  # more methods, one curve each
-    keep: float | None = None
-    prune: int | None = None
-    schedule: str = "iterative"
-    step: float = 0.1
-    per_layer: bool = False
-    min_heads_per_layer: int = 0
-    data: str | None = None
-    text_column: str | None = None
-    label_column: str | None = None
-    max_tokens: int = 16384
-    seq_len: int | None = None
-    batch_size: int = 8
-    heldout: float = 0.5
-    seed: int = 0
-    normalize: bool | None = None  # None: the method's default (see importance.score)
-    global_minmax: bool = False  # rescale all scores to [0, 1] (the ranking is unchanged)
-    per_token: bool = False
-    probes: int = 4  # taylor's curvature probes per batch
-    device: str = "auto"
-    dtype: str = "float32"
-    out: str | None = None
-    overwrite: bool = False
-    export: str | None = None
-    sample_tokens: int = 64
-    checkpoint_every: int = 10
-    latency_batch: int = 4
-    latency_seq_len: int = 128
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise UserError(f"unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
-        if "model" not in d:
-            raise UserError("a run needs a model (model = \"smollm2-135m\", or --model)")
-        return cls(**d).validated()
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def validated(self) -> RunConfig:
-        """Check types and ranges; raise UserError naming the key."""
-        for f in fields(self):
-            _check_type(f.name, str(f.type), getattr(self, f.name))
-        if not self.model:
-            raise UserError("model must name a model (a bundled name, directory, file or hub id)")
-        if self.command not in COMMANDS:
-            raise UserError(f"command must be one of {COMMANDS}, got {self.command!r}")
-        for m in [self.method, *self.compare]:
-            if m not in METHODS:
-                raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
-        if self.per_token and self.method not in PER_TOKEN_METHODS:
-            raise UserError(f"--per-token applies to {' and '.join(PER_TOKEN_METHODS)}, "
-                            f"not {self.method}")
-        if self.keep is not None and not (0 < self.keep <= 1):
-            raise UserError(f"--keep must be in (0, 1], got {self.keep}")
-        if self.keep is not None and self.prune is not None:
-            raise UserError("give --keep or --prune, not both")
-        if self.prune is not None and self.prune < 1:
-            raise UserError(f"--prune must be at least 1 head, got {self.prune}")
-        if self.command == "prune" and self.keep is None and self.prune is None:
-            raise UserError("prune needs a target: --keep FRACTION (e.g. 0.6) or --prune N")
-        if self.schedule not in ("iterative", "one-shot"):
-            raise UserError(f"--schedule must be iterative or one-shot, got {self.schedule!r}")
-        if not 0 < self.step <= 1:
-            raise UserError(f"--step must be in (0, 1], got {self.step}")
-        if self.probes < 1:
-            raise UserError(f"probes must be >= 1 (taylor's curvature probes), got {self.probes}")
-        if self.checkpoint_every < 1:
-            raise UserError(f"checkpoint_every must be >= 1 batch, got {self.checkpoint_every}")
-        if self.batch_size < 1 or self.max_tokens < 1 or self.min_heads_per_layer < 0:
-            raise UserError("--batch-size and --max-tokens must be >= 1, "
-                            "--min-heads-per-layer >= 0")
-        if self.sample_tokens < 2 or self.latency_batch < 1 or self.latency_seq_len < 1:
-            raise UserError("sample_tokens must be >= 2, latency_batch and latency_seq_len >= 1")
-        if self.seq_len is not None and self.seq_len < 4:
-            raise UserError(f"--seq-len must be >= 4, got {self.seq_len}")
-        if self.dtype not in _DTYPES:
-            raise UserError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError("--device cuda was asked for but no CUDA GPU is available; "
-                            "use --device cpu (or auto)")
-        if self.export not in (None, "hf"):
-            raise UserError(f"--export must be 'hf', got {self.export!r}")
-        if not 0 < self.heldout < 1:
-            raise UserError(f"heldout must be in (0, 1), got {self.heldout}")
-        return self
-
-
-def _check_type(name: str, declared: str, value: Any) -> None:
-    """Check a value against its field's declared type ("float | None", "list[str]", ...)."""
-    kinds = [k.strip() for k in declared.split("|")]
-    if value is None:
-        if "None" in kinds:
-            return
-        raise UserError(f"{name} must be set (a {kinds[0]}), got nothing")
-    base = kinds[0]
-    ok = {
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, int | float) and not isinstance(value, bool)
-        and math.isfinite(value),
-        "bool": isinstance(value, bool),
-        "str": isinstance(value, str),
-        "list[str]": isinstance(value, list) and all(isinstance(v, str) for v in value),
-    }.get(base, True)
-    if not ok:
-        raise UserError(f"{name} must be {'a finite ' if base == 'float' else ''}{base}, "
-                        f"got {value!r}")
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
 
 def default_out(cfg: RunConfig) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -201,7 +64,7 @@ def load_model(cfg: RunConfig) -> HeadModel:
     from headlab.models.loading import ModelNotFoundError
 
     try:
-        return load(cfg.model, device=resolve_device(cfg.device), dtype=_DTYPES[cfg.dtype])
+        return load(cfg.model, device=resolve_device(cfg.device), dtype=DTYPES[cfg.dtype])
     except ModelNotFoundError as exc:
         raise UserError(str(exc)) from exc
 

@@ -286,8 +286,8 @@ def attention_html(model: HeadModel, text: str, *, height: int = 720) -> Attenti
 def _load(model_or_name: HeadModel | str | Path, device: str) -> HeadModel:
     if isinstance(model_or_name, torch.nn.Module):
         return model_or_name
+    from headlab.config import resolve_device
     from headlab.models import load
-    from headlab.runs import resolve_device
 
     return load(model_or_name, device=resolve_device(device))
 

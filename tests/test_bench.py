@@ -26,9 +26,9 @@ from headlab.bench import (
     run_benchmarks,
     without_hook_checks,
 )
+from headlab.errors import UserError
 from headlab.models.gpt2 import GPT2, GPT2Config
 from headlab.models.llama import Llama, LlamaConfig
-from headlab.runs import UserError
 
 NAMES = ["attention", "models", "hooks", "importance", "pruning", "generate"]
 

@@ -138,7 +138,7 @@ def test_recipe_unknown_key(tmp_path):
 
 
 def test_every_recipe_parses_and_starts_with_its_command():
-    from headlab.cli import load_recipe
+    from headlab.config import load_recipe
 
     recipes = sorted((ROOT / "recipes").glob("*.toml"))
     assert {p.stem for p in recipes} >= {"gpt2-wikitext2", "bert-mnli", "smollm2-offline",

