@@ -241,35 +241,12 @@ def _class_id(value, column: str, spec: str) -> int:
         ) from None
 
 
-def make_blocks(
-    data: TextData,
-    tokenizer,
-    *,
-    kind: str,
-    seq_len: int,
-    max_tokens: int | None = None,
-) -> Blocks:
-    """Tokenise ``data`` for a model of ``kind`` into at most ``max_tokens`` tokens.
-
-    causal-lm: one stream of texts joined by EOS, cut into full blocks of seq_len.
-    masked-lm: the same stream cut into blocks wrapped in [CLS] ... [SEP].
-    classifier / embedding: one (padded, truncated) row per example or pair; an
-    embedding model reads prose (``data.prose``) one sentence per row, the unit its
-    embeddings and their fidelity are about.
-    """
-    if seq_len < 4:
-        raise DataError(f"seq_len must be >= 4, got {seq_len}")
-    if kind in ("causal-lm", "masked-lm"):
-        return _stream_blocks(data, tokenizer, kind=kind, seq_len=seq_len, max_tokens=max_tokens)
-    if kind == "embedding" and data.prose:
-        data = TextData([s for text in data.texts for s in sentences(text)], spec=data.spec,
-                        warning=data.warning)
-    return _row_blocks(data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
-
-
-def _stream_blocks(data: TextData, tokenizer, *, kind: str, seq_len: int, max_tokens) -> Blocks:
-    sep_id = tokenizer.eos_token_id if kind == "causal-lm" else tokenizer.sep_token_id
-    body = seq_len if kind == "causal-lm" else seq_len - 2
+def _stream_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens: int | None,
+                   wrapped: bool = False) -> Blocks:
+    """One stream of texts (pairs joined by a space) cut into full blocks of seq_len;
+    texts end with EOS, or, ``wrapped``, with [SEP] and every block is [CLS] ... [SEP]."""
+    sep_id = tokenizer.sep_token_id if wrapped else tokenizer.eos_token_id
+    body = seq_len - 2 if wrapped else seq_len
     budget = max_tokens if max_tokens is not None else None
     stream: list[int] = []
     texts = data.texts if data.pairs is None else [
@@ -292,11 +269,25 @@ def _stream_blocks(data: TextData, tokenizer, *, kind: str, seq_len: int, max_to
             "give more text or a smaller --seq-len"
         )
     ids = torch.tensor(stream[: n_blocks * body], dtype=torch.long).view(n_blocks, body)
-    if kind == "masked-lm":
+    if wrapped:
         cls = torch.full((n_blocks, 1), tokenizer.cls_token_id, dtype=torch.long)
         sep = torch.full((n_blocks, 1), tokenizer.sep_token_id, dtype=torch.long)
         ids = torch.cat([cls, ids, sep], dim=1)
     return Blocks(ids, torch.ones_like(ids), None, data.spec)
+
+
+def _wrapped_stream_blocks(data: TextData, tokenizer, *, seq_len: int,
+                           max_tokens: int | None) -> Blocks:
+    return _stream_blocks(data, tokenizer, seq_len=seq_len, max_tokens=max_tokens, wrapped=True)
+
+
+def _sentence_blocks(data: TextData, tokenizer, *, seq_len: int,
+                     max_tokens: int | None) -> Blocks:
+    """One row per example, prose (``data.prose``) one row per sentence."""
+    if data.prose:
+        data = TextData([s for text in data.texts for s in sentences(text)], spec=data.spec,
+                        warning=data.warning)
+    return _row_blocks(data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
 
 
 def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Blocks:
@@ -327,6 +318,47 @@ def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Block
     if data.labels is not None:
         labels = torch.tensor([data.labels[i] for i, _ in rows], dtype=torch.long)
     return Blocks(ids, mask, labels, data.spec)
+
+
+# text layouts, and the layout each kind of model reads (headlab.objectives reads it too)
+_LAYOUTS = {
+    "stream": _stream_blocks,  # texts joined by EOS, cut into full blocks
+    "wrapped-stream": _wrapped_stream_blocks,  # the same, each block in [CLS] ... [SEP]
+    "rows": _row_blocks,  # one padded, truncated row per example or pair
+    "sentences": _sentence_blocks,  # rows; prose one sentence per row
+}
+KIND_LAYOUTS = {
+    "causal-lm": "stream",
+    "masked-lm": "wrapped-stream",
+    "classifier": "rows",
+    # a sentence embedding and its fidelity are about a sentence
+    "embedding": "sentences",
+}
+
+
+def make_blocks(
+    data: TextData,
+    tokenizer,
+    *,
+    kind: str,
+    seq_len: int,
+    max_tokens: int | None = None,
+) -> Blocks:
+    """Tokenise ``data`` for a model of ``kind`` into at most ``max_tokens`` tokens.
+
+    causal-lm: one stream of texts joined by EOS, cut into full blocks of seq_len.
+    masked-lm: the same stream cut into blocks wrapped in [CLS] ... [SEP].
+    classifier / embedding: one (padded, truncated) row per example or pair; an
+    embedding model reads prose (``data.prose``) one sentence per row, the unit its
+    embeddings and their fidelity are about.
+    """
+    if kind not in KIND_LAYOUTS:
+        raise DataError(f"no text layout for model kind {kind!r}; known kinds: "
+                        f"{', '.join(KIND_LAYOUTS)}")
+    if seq_len < 4:
+        raise DataError(f"seq_len must be >= 4, got {seq_len}")
+    layout = _LAYOUTS[KIND_LAYOUTS[kind]]
+    return layout(data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
 
 
 def split_blocks(blocks: Blocks, *, heldout: float = 0.5, seed: int = 0) -> tuple[Blocks, Blocks]:

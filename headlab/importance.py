@@ -7,10 +7,11 @@
     fisher      E_x (dL(x)/d xi_h)^2 (Kwon et al. 2022).
     taylor      the second-order Taylor estimate of the loss increase when the head's
                 gate goes to 0: E_x [-dL(x)/d xi_h + 1/2 H_hh(x)], H the Gauss-Newton
-                curvature, estimated from random probes (`evaluate.curvature_probes`).
-                Signed (a negative score: removing the head should help). Michel's
-                first-order term vanishes where the loss sits at its minimum, as
-                embedding fidelity does at the unpruned model; the curvature does not.
+                curvature, estimated from random probes (the objective's
+                `curvature_probes`). Signed (a negative score: removing the head should
+                help). Michel's first-order term vanishes where the loss sits at its
+                minimum, as embedding fidelity does at the unpruned model; the
+                curvature does not.
     ablation    held-in loss increase when that head alone is gated off.
     entropy     minus the mean attention entropy (focused heads rank higher).
     confidence  mean max attention weight (Voita et al. 2019).
@@ -35,13 +36,13 @@ from headlab._io import atomic_write_json, atomic_write_text
 from headlab._progress import track
 from headlab.checkpoint import Checkpoint
 from headlab.data import Blocks
-from headlab.evaluate import curvature_probes, example_losses, losses_of, run
 from headlab.models.base import HeadModel
+from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
 
 METHODS = ("michel", "fisher", "taylor", "ablation", "entropy", "confidence", "random")
 # Methods whose scores are estimates of the loss increase, in the loss's own units, so
-# comparable across layers as they are: layer-l2 normalisation is off by default. On
-# MiniLM it cost ablation 0.44-0.48 vs 0.35-0.39 of random pruning's fidelity loss.
+# comparable across layers as they are: layer-l2 normalisation, which would distort
+# that, is off by default.
 LOSS_ESTIMATES = ("taylor", "ablation")
 PER_TOKEN_METHODS = ("michel", "fisher")  # the gradient methods a gate per token serves
 
@@ -120,7 +121,7 @@ def score(
     blocks: Blocks,
     *,
     method: str = "michel",
-    batch_size: int = 8,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     normalize: bool | None = None,
     global_minmax: bool = False,
     per_token: bool = False,
@@ -136,7 +137,8 @@ def score(
     ``checkpoint``, gradient scoring saves its sums every ``checkpoint.every`` batches
     (and when interrupted) and resumes from them.
 
-    ``blocks`` must be prepared for the model (`headlab.evaluate.prepare`).
+    ``blocks`` must be prepared for the model (`headlab.prepare`); the loss is the
+    model's objective's (`headlab.objectives`).
     ``normalize`` divides each layer by its l2 norm (Michel et al.); by default it does
     for every method but the loss estimates (taylor, ablation) and random.
     ``global_minmax`` then rescales all scores to [0, 1] (as the bertology script did).
@@ -201,6 +203,7 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
 
     ``blocks`` is this rank's shard; ``n_examples`` counts all ranks' examples.
     """
+    objective = objective_for(model)
     attns = model.attentions
     acc = [torch.zeros(a.n_heads, dtype=torch.float64) for a in attns]
     n_tokens = 0
@@ -236,9 +239,9 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
                 g = base.expand(shape).clone().requires_grad_(True)
                 a.gate_override = g
                 gates.append(g)
-            out = run(model, batch)
-            # michel and fisher score the embedding's projection (see losses_of)
-            loss, count, _ = losses_of(model, out, batch, scoring=method != "taylor")
+            out = objective.forward(model, batch)
+            # michel and fisher read the scoring loss (embedding: see Embedding.losses)
+            loss, count, _ = objective.losses(model, out, batch, scoring=method != "taylor")
             if not torch.isfinite(loss).all():
                 raise FloatingPointError("non-finite loss while scoring; see --dtype float32")
             # sum of per-example mean losses: d/d gate_x is example x's own gradient,
@@ -250,7 +253,7 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
                 gen = torch.Generator().manual_seed(
                     (seed * 1_000_003 + distributed.rank()) * 1_000_003 + index)
                 curvature = [None if g is None else torch.zeros_like(g) for g in grads]
-                pairs = curvature_probes(model, out, batch, probes, gen)
+                pairs = objective.curvature_probes(model, out, batch, probes, gen)
                 for j, (output, cotangent) in enumerate(pairs):
                     pg = float64(torch.autograd.grad(output, gates, cotangent,
                                                      allow_unused=True,
@@ -290,9 +293,10 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
 
 @torch.no_grad()
 def _mean_loss(model, blocks, batch_size) -> tuple[float, int]:
+    objective = objective_for(model)
     total, count = 0.0, 0.0
     for batch in blocks.batches(batch_size):
-        loss, c, _ = example_losses(model, batch)
+        loss, c, _ = objective.example_losses(model, batch)
         total += float((loss * c).sum())
         count += float(c.sum())
     total, count = distributed.sum_floats(total, count)

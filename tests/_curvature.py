@@ -1,6 +1,6 @@
 """The Gauss-Newton curvature of a model's per-example loss in its head gates, computed
 by hand (float64 central differences of the outputs, the loss's Hessian written out),
-for the tests of `headlab.evaluate.curvature_probes` and the `taylor` scorer."""
+for the tests of the objectives' `curvature_probes` and the `taylor` scorer."""
 
 from __future__ import annotations
 

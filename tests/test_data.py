@@ -185,6 +185,11 @@ def test_too_little_text_raises(bpe_tokenizer):
         make_blocks(load_texts(), bpe_tokenizer, kind="causal-lm", seq_len=2)
 
 
+def test_an_unknown_kind_of_model_is_refused_with_the_known_ones(bpe_tokenizer):
+    with pytest.raises(DataError, match="'seq2seq'.*causal-lm, masked-lm, classifier, embedding"):
+        make_blocks(load_texts(), bpe_tokenizer, kind="seq2seq", seq_len=32)
+
+
 def test_row_blocks_pad_and_keep_labels(bpe_tokenizer, caplog):
     texts = ["short", "a somewhat longer sentence here", "mid length one"]
     data = TextData(texts, labels=[2, 0, 1], spec="rows")

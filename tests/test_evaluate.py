@@ -1,4 +1,4 @@
-"""Tests for headlab.evaluate: quality metrics per kind of model.
+"""Tests for headlab.evaluate and headlab.objectives: quality metrics per kind of model.
 
 References: every metric recomputed here with plain torch from the model's own logits
 (perplexity, masked-LM perplexity, accuracy, cross-entropy). Invariants: the masking
@@ -23,7 +23,8 @@ from torch.testing import assert_close
 
 import headlab
 from headlab.data import Blocks, TextData, load_texts, make_blocks
-from headlab.evaluate import curvature_probes, evaluate, example_losses, mask_tokens, prepare, run
+from headlab.evaluate import evaluate
+from headlab.objectives import mask_tokens, objective_for, prepare
 
 # float64 sums of float32 log-probabilities: the metric is exp of a mean of ~1e3 terms
 METRIC = {"rtol": 1e-6, "atol": 1e-6}
@@ -123,7 +124,8 @@ def test_per_example_losses_are_per_row_means(tiny_gpt2):
     mask = torch.ones_like(ids)
     mask[2, 6:] = 0
     with torch.no_grad():
-        loss, count, _ = example_losses(tiny_gpt2, {"input_ids": ids, "attention_mask": mask})
+        batch = {"input_ids": ids, "attention_mask": mask}
+        loss, count, _ = objective_for(tiny_gpt2).example_losses(tiny_gpt2, batch)
         logits = tiny_gpt2(ids, attention_mask=mask).logits
     for row in range(3):
         total, n = _hand_nll(logits[row : row + 1], ids[row : row + 1], mask[row : row + 1])
@@ -262,10 +264,12 @@ def _probe_curvature(model, batch: dict, n: int) -> torch.Tensor:
         attn.gate_override = g
         gates.append(g)
     try:
-        out = run(model, batch)
+        objective = objective_for(model)
+        out = objective.forward(model, batch)
         total = torch.zeros(len(batch["input_ids"]), len(gates), gates[0].shape[1],
                             dtype=torch.float64)
-        pairs = list(curvature_probes(model, out, batch, n, torch.Generator().manual_seed(0)))
+        pairs = list(objective.curvature_probes(model, out, batch, n,
+                                                torch.Generator().manual_seed(0)))
         assert len(pairs) == n
         for j, (output, cotangent) in enumerate(pairs):
             assert cotangent.shape == output.shape
