@@ -30,13 +30,15 @@ def _pipeline(model_dir: str) -> dict:
     scores = {m: headlab.score(model, blocks, method=m, batch_size=2, normalize=False)
               for m in ("michel", "fisher", "ablation", "entropy")}
     quality = headlab.evaluate(model, blocks, batch_size=2)
-    res = headlab.prune_to_target(model, blocks, blocks, keep=0.5, step=0.25, batch_size=2)
+    total = model.n_layers * model.n_original_heads
+    res = headlab.prune_to_target(model, blocks, blocks, n_keep=headlab.heads_to_keep(
+        total, keep=0.5), step=0.25, batch_size=2)
     return {
         "scores": {m: s.scores for m, s in scores.items()},
         "n_tokens": scores["michel"].n_tokens,
         "loss": quality.loss, "eval_tokens": quality.n_tokens,
         "kept": {str(k): v for k, v in res.plan.kept.items()},
-        "curve": res.curve,
+        "curve": [p.to_json() for p in res.curve],
     }
 
 

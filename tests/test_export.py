@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import headlab
-from headlab.pruning import export_hf, hf_expressible
+from headlab.models.export import export_hf, hf_expressible
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +60,12 @@ def test_cli_export_hf_per_layer(tiny_llama_dir, tmp_path):
                                  out=str(tmp_path / "run")))
     # per-layer pruning of a GQA model at 0.5 keeps 3 of 6 heads per layer; groups may
     # still be uneven, in which case the run says so and keeps the headlab format
-    if results["export"] == "model-hf/":
+    if results.export == "model-hf/":
         hf = transformers.AutoModelForCausalLM.from_pretrained(out / "model-hf").eval()
         ours = headlab.load(out / "model")
         ids = torch.randint(0, 500, (1, 9))
         with torch.no_grad():
             torch.testing.assert_close(hf(ids).logits, ours(ids).logits, rtol=0, atol=1e-4)
     else:
-        assert "groups are uneven" in results["export"]
+        assert "groups are uneven" in results.export
         assert not (out / "model-hf").exists()

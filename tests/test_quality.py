@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 
 import headlab
-from headlab.pruning import versus_random
+from headlab.schedule import versus_random
 
 pytestmark = pytest.mark.real
 

@@ -1,0 +1,203 @@
+"""Iterative and one-shot pruning to a number of heads, and comparisons with random.
+
+`prune_to_target` scores, selects and masks step by step, measuring held-out quality
+at each step (the curve), and returns the final plan with the model's gates as they
+were: the caller prunes by the plan (`headlab.pruning.prune`). `versus_random` asks
+whether a scorer's choice of heads beats random choices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from headlab import distributed
+from headlab.checkpoint import Checkpoint
+from headlab.data import Blocks
+from headlab.errors import UserError
+from headlab.evaluate import evaluate
+from headlab.importance import HeadScores, score
+from headlab.models.base import HeadModel
+from headlab.objectives import DEFAULT_BATCH_SIZE
+from headlab.pruning import trial
+from headlab.selection import PrunePlan, heads_to_keep, select
+
+
+@dataclass
+class CurvePoint:
+    """Held-out quality with ``heads_kept`` heads left (``fraction_pruned`` of all
+    original heads gone)."""
+
+    fraction_pruned: float
+    quality: float
+    loss: float
+    heads_kept: int
+
+    def to_json(self) -> dict:
+        return {"fraction_pruned": self.fraction_pruned, "quality": self.quality,
+                "loss": self.loss, "heads_kept": self.heads_kept}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> CurvePoint:
+        """From `to_json` or results.json, where a non-finite figure is written null."""
+        def num(v) -> float:
+            return math.nan if v is None else v
+
+        return cls(d["fraction_pruned"], num(d["quality"]), num(d["loss"]), d["heads_kept"])
+
+
+@dataclass
+class ScheduleResult:
+    """What iterative or one-shot pruning decided and measured."""
+
+    plan: PrunePlan
+    scores: HeadScores  # the first scoring (all heads), shown as the importance map
+    curve: list[CurvePoint] = field(default_factory=list)
+    step_scores: list[HeadScores] = field(default_factory=list)
+
+
+def prune_to_target(
+    model: HeadModel,
+    scoring: Blocks,
+    heldout: Blocks,
+    *,
+    method: str = "michel",
+    n_keep: int,
+    schedule: str = "iterative",
+    step: float = 0.1,
+    per_layer: bool = False,
+    min_heads_per_layer: int = 0,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    seed: int = 0,
+    score_kwargs: Mapping | None = None,
+    on_step: Callable[[CurvePoint], None] | None = None,
+    checkpoint: Checkpoint | None = None,
+) -> ScheduleResult:
+    """Score, mask and re-score down to ``n_keep`` heads; record held-out quality per step.
+
+    ``iterative``: remove ``step`` of the original heads per step, re-scoring with the
+    current mask (gates at 0 for removed heads) each time. ``one-shot``: score once and
+    remove down to the target, still recording the curve at each step's size. Masks
+    are trials: the model's gates are as they were when this returns; call `prune`
+    with the result's plan to remove the weights. With a ``checkpoint`` each finished
+    step (and each scoring's progress) is saved, and a call with the same checkpoint
+    resumes where the last one stopped.
+    """
+    if schedule not in ("iterative", "one-shot"):
+        raise UserError(f"schedule must be 'iterative' or 'one-shot', got {schedule!r}")
+    if not 0 < step <= 1:
+        raise UserError(f"step must be in (0, 1], got {step}")
+    total = model.n_layers * model.n_original_heads
+    if not 1 <= n_keep <= total:
+        raise UserError(f"n_keep must be between 1 and {total} heads (the model has "
+                        f"{total}), got {n_keep}")
+    kw = dict(score_kwargs or {})
+    per_step = max(1, round(step * total))
+    key = f"prune/{method}"
+
+    def measure(n_kept: int) -> CurvePoint:
+        q = evaluate(model, heldout, batch_size=batch_size)
+        point = CurvePoint(round(1 - n_kept / total, 6), q.value, q.loss, n_kept)
+        if on_step:
+            on_step(point)
+        return point
+
+    def scored(i: int) -> HeadScores:  # the i-th scoring, under the current mask
+        return score(model, scoring, method=method, batch_size=batch_size, seed=seed + i,
+                     checkpoint=checkpoint, checkpoint_key=f"{key}/score{i}", **kw)
+
+    def save(plan: PrunePlan) -> None:
+        if checkpoint is not None:
+            masked = {str(k): v for k, v in plan.pruned.items()}
+            checkpoint.put(key, {"masked": masked, "curve": [p.to_json() for p in curve],
+                                 "n_now": n_now,
+                                 "step_scores": [sc.to_json() for sc in step_scores]})
+
+    with trial(model):
+        saved = checkpoint.get(key) if checkpoint is not None else None
+        if saved is not None:  # resume: the mask, curve and scores of the last finished step
+            masked = {int(k): list(v) for k, v in saved["masked"].items()}
+            model.mask_heads(masked)
+            curve = [CurvePoint.from_json(p) for p in saved["curve"]]
+            step_scores = [HeadScores.from_json(j) for j in saved["step_scores"]]
+            n_now = saved["n_now"]
+        else:
+            masked = {}
+            n_now = sum(model.heads_per_layer)
+            curve = [measure(n_now)]
+            step_scores = [scored(0)]
+        plan = _plan_of(step_scores[0], masked)
+        save(plan)
+        while n_now > n_keep:
+            n_now = max(n_keep, n_now - per_step)
+            # each step's plan lists every head pruned so far: they score NaN (iterative)
+            # or rank lower (one-shot); decided once, applied on every rank
+            plan = distributed.broadcast(select(step_scores[-1], n_now, per_layer=per_layer,
+                                                min_heads_per_layer=min_heads_per_layer))
+            model.mask_heads(plan.pruned)
+            curve.append(measure(n_now))
+            if schedule == "iterative" and n_now > n_keep:
+                step_scores.append(scored(len(step_scores)))
+            save(plan)
+    return ScheduleResult(plan, step_scores[0], curve, step_scores)
+
+
+def _plan_of(first: HeadScores, masked: Mapping[int, list[int]]) -> PrunePlan:
+    """The plan a schedule holds once ``masked`` is masked: the heads its first scoring
+    saw (not NaN) less ``masked`` are kept, in the form `select` gives."""
+    kept, pruned = {}, {}
+    for layer, row in enumerate(first.scores):
+        gone = set(masked.get(layer, ()))
+        kept[layer] = [h for h, v in enumerate(row) if not math.isnan(v) and h not in gone]
+        pruned[layer] = [h for h in range(len(row)) if h not in set(kept[layer])]
+    return PrunePlan(kept, pruned)
+
+
+def versus_random(
+    model: HeadModel,
+    scoring: Blocks,
+    heldout: Blocks,
+    *,
+    method: str | Sequence[str] | Mapping[str, tuple[str, Mapping]] = "michel",
+    keep: float = 0.6,
+    seeds: tuple[int, ...] = (0, 1, 2),
+    **prune_kw,
+) -> dict:
+    """Held-out quality lost by pruning with ``method`` (one or several) vs with random
+    scores.
+
+    ``method`` is a method's name, several names, or named variants ``{label: (method,
+    score_kwargs)}``, e.g. ``{"michel": ("michel", {}), "michel_unnormalised":
+    ("michel", {"normalize": False})}``. Prunes (by masking) to ``keep`` once per method
+    and once per random seed, all from the unpruned model, which is left as it was;
+    random takes no scoring options. A loss is the change in the model's metric in
+    its bad direction (perplexity up, fidelity or accuracy down).
+    Returns ``{"metric", "before", "lost": {<label>, "random:<seed>": ...},
+    "random_mean", "ratios": {<label>: ...}, "ratio"}``: a ratio is lost by the method
+    / mean lost by random, ``ratio`` the first method's; under 1 the scorer beats
+    chance, and Michel et al.'s claim is that it does by far.
+    """
+    if isinstance(method, str):
+        trials = {method: (method, {})}
+    elif isinstance(method, Mapping):
+        trials = {label: (name, dict(kw)) for label, (name, kw) in method.items()}
+    else:
+        trials = {name: (name, {}) for name in method}
+    n_keep = heads_to_keep(model.n_layers * model.n_original_heads, keep=keep)
+    shared = dict(prune_kw.pop("score_kwargs", None) or {})
+    batch_size = prune_kw.get("batch_size", DEFAULT_BATCH_SIZE)
+    before = evaluate(model, heldout, batch_size=batch_size)
+    sign = -1 if before.higher_is_better else 1
+    runs = [(label, name, 0, {**shared, **kw}) for label, (name, kw) in trials.items()]
+    runs += [(f"random:{seed}", "random", seed, {}) for seed in seeds]
+    lost: dict[str, float] = {}
+    for label, name, seed, kw in runs:
+        res = prune_to_target(model, scoring, heldout, method=name, n_keep=n_keep, seed=seed,
+                              score_kwargs=kw, **prune_kw)
+        # the curve's last point is the held-out quality at the final plan
+        lost[label] = sign * (res.curve[-1].quality - before.value)
+    random_mean = sum(lost[f"random:{s}"] for s in seeds) / len(seeds)
+    ratios = {m: lost[m] / random_mean if random_mean > 0 else math.nan for m in trials}
+    return {"metric": before.metric, "before": before.value, "lost": lost,
+            "random_mean": random_mean, "ratios": ratios, "ratio": ratios[next(iter(trials))]}
