@@ -4,19 +4,37 @@ The prompt is run once (prefill); each new token then costs one forward of a sin
 position over the cached keys and values. Left-padded batches work: positions are
 counted from each row's first real token, as transformers' ``generate`` does.
 Logits are processed in transformers' order: temperature, then top-k, then top-p.
+
+Decode steps multiply a few rows by every weight, at the speed the weights stream from
+memory. On the CPU, with ``decode_kernel=True`` (the default), the model's ``nn.Linear``
+layers run those steps on headlab's C kernel (`headlab.kernels`), which streams each
+weight on every thread where torch's product uses one. The switch is local to the decode
+loop of one `generate` call (`_kernel_products`) and always undone; the prefill and every
+other forward use torch's products. Outputs agree with torch's within float32 rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headlab import kernels
+from headlab.errors import UserError
+from headlab.objectives import objective_for
 
 if TYPE_CHECKING:
     from headlab.models.base import HeadModel
 
 __all__ = ["generate"]
+
+# decode steps of at most this many rows (batch size) take the kernel: it keeps one weight
+# tile in L1 while it visits every row, and torch's own products use every thread for more
+KERNEL_MAX_ROWS = 16
 
 
 @torch.no_grad()
@@ -33,6 +51,7 @@ def generate(
     eos_token_id: int | Iterable[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    decode_kernel: bool = True,
 ) -> torch.Tensor:
     """Continue ``input_ids`` (B, S); return (B, S + n) with n <= ``max_new_tokens``.
 
@@ -42,9 +61,13 @@ def generate(
     config's ``eos_token_id``; pass ``()`` to never stop early) and is filled with
     ``pad_token_id`` (default: the config's, else the first EOS id) afterwards;
     generation ends when every row has stopped.
+
+    ``decode_kernel``: run the decode steps' linear layers on headlab's C kernel where it
+    applies (CPU, float32, at most 16 rows, kernel built); ``False`` keeps every product
+    torch's (see the module docstring).
     """
-    if getattr(model, "kind", "causal-lm") != "causal-lm":
-        raise ValueError(f"generate needs a causal language model, got kind {model.kind!r}")
+    if not objective_for(model).generates:
+        raise UserError(f"generate needs a causal language model, got kind {model.kind!r}")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (B, S) with S >= 1, got {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
@@ -90,23 +113,62 @@ def generate(
 
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     new: list[torch.Tensor] = []
-    for step in range(max_new_tokens):
-        token = _next_token(  # (B,)
-            logits[:, -1], do_sample, temperature, top_k, top_p, generator
-        )
-        token = token.masked_fill(finished, pad_token_id)
-        new.append(token)
-        finished = finished | torch.isin(token, eos)
-        if step == max_new_tokens - 1 or bool(finished.all()):
-            break
-        if padded:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
-        position_ids = position_ids[:, -1:] + 1  # (B, 1)
-        logits = model(
-            token[:, None], attention_mask if padded else None, cache=cache,
-            position_ids=position_ids,
-        ).logits
+    kernel = decode_kernel and device.type == "cpu" and B <= KERNEL_MAX_ROWS
+    with _kernel_products(model) if kernel else contextlib.nullcontext():
+        for step in range(max_new_tokens):
+            token = _next_token(  # (B,)
+                logits[:, -1], do_sample, temperature, top_k, top_p, generator
+            )
+            token = token.masked_fill(finished, pad_token_id)
+            new.append(token)
+            finished = finished | torch.isin(token, eos)
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            if padded:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)],
+                                           dim=1)
+            position_ids = position_ids[:, -1:] + 1  # (B, 1)
+            logits = model(
+                token[:, None], attention_mask if padded else None, cache=cache,
+                position_ids=position_ids,
+            ).logits
     return torch.cat([input_ids, torch.stack(new, dim=1).to(input_ids.dtype)], dim=1)
+
+
+@contextlib.contextmanager
+def _kernel_products(model: nn.Module) -> Iterator[None]:
+    """Inside this block, each ``nn.Linear`` of ``model`` with a float32, row-major CPU
+    weight computes its product with `headlab.kernels.linear_rows`; on exit every layer
+    is its plain self again, whatever happened inside. Nothing changes where the kernel
+    is not built."""
+    if not kernels.available():
+        yield
+        return
+    switched = []
+    try:
+        for mod in model.modules():
+            if (type(mod) is nn.Linear and "forward" not in mod.__dict__
+                    and kernels.fits(mod.weight, mod.bias)):
+                mod.forward = _KernelForward(mod)  # an instance attribute, deleted below
+                switched.append(mod)
+        yield
+    finally:
+        for mod in switched:
+            del mod.forward
+
+
+class _KernelForward:
+    """``linear.forward`` on the decoding kernel, torch's F.linear where it declines."""
+
+    __slots__ = ("linear",)
+
+    def __init__(self, linear: nn.Linear) -> None:
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.linear
+        y = kernels.linear_rows(x, lin.weight, lin.bias)
+        return F.linear(x, lin.weight, lin.bias) if y is None else y
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

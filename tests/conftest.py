@@ -1,6 +1,5 @@
-"""Shared fixtures: a small BPE tokenizer trained on the bundled text, tiny random
-checkpoints written with transformers' save_pretrained (the hub is unreachable here),
-and a record of the products headlab's matmul kernel ran."""
+"""Shared fixtures: a small BPE tokenizer trained on the bundled text, and tiny random
+checkpoints written with transformers' save_pretrained (the hub is unreachable here)."""
 
 from __future__ import annotations
 
@@ -55,20 +54,3 @@ def tiny_gpt2(tiny_gpt2_dir):
 
     return headlab.load(tiny_gpt2_dir)
 
-
-@pytest.fixture()
-def matmul_runs(monkeypatch) -> list[bool]:
-    """One entry per call of ``kernels.matmul`` in the test: True where the kernel ran,
-    False where it declined (torch then computes the product)."""
-    from headlab import kernels
-
-    ran: list[bool] = []
-    real = kernels.matmul
-
-    def counted(*args):
-        y = real(*args)
-        ran.append(y is not None)
-        return y
-
-    monkeypatch.setattr(kernels, "matmul", counted)
-    return ran

@@ -2,30 +2,34 @@
 
 Every benchmark runs once at the "tiny" preset (random tiny models, one thread) and its
 JSON is checked: every figure has median and spread, every target has ratio, target and
-a ``meets`` that follows from the ratio. The FLOP counter is checked against counts done
-by hand; the hook-free reference against the real forward; the table against the targets.
+a ``meets`` that follows from the ratio, and every figure's median and quartiles follow
+from its samples, ratios from the paired times of the same rounds. The FLOP counter is
+checked against counts done by hand; the switched-off hooks against the real forward;
+the table against the targets.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
-from headlab import bench, kernels
+from headlab import bench
 from headlab.bench import (
     PRESETS,
     BenchResult,
     Figure,
     Target,
-    compile_without_hooks,
     count_flops,
     markdown_table,
     run_benchmarks,
-    without_hook_checks,
 )
+from headlab.bench._models import ModelCache, model_cache
+from headlab.bench.hooks import peak_bytes
 from headlab.errors import UserError
 from headlab.models.gpt2 import GPT2, GPT2Config
 from headlab.models.llama import Llama, LlamaConfig
@@ -88,10 +92,21 @@ def test_each_benchmark_writes_complete_json(tiny_run, name):
     assert {"cpu", "cores", "torch_threads"} <= set(d["machine"])
     assert d["machine"]["torch_threads"] == 1
     assert d["date"]
+    sizes = PRESETS["tiny"][name]
+    assert d["config"]["dtype"] == "float32"
+    assert (d["config"]["repeats"], d["config"]["warmup"]) == (sizes.repeats, sizes.warmup)
     assert d["figures"] and d["targets"]
     for fname, fig in d["figures"].items():
         assert {"median", "spread", "q1", "q3", "n", "unit"} <= set(fig), fname
-        assert fig["median"] is not None, fname
+        samples = fig["samples"]
+        assert len(samples) == fig["n"] and all(math.isfinite(x) for x in samples), fname
+        assert fig["median"] == pytest.approx(statistics.median(samples)), fname
+        assert (fig["min"], fig["max"]) == (min(samples), max(samples)), fname
+        if len(samples) > 1:
+            q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+            assert (fig["q1"], fig["q3"]) == (pytest.approx(q1), pytest.approx(q3)), fname
+        if fig["unit"] in ("ms", "tokens/s", "GB/s", "ns", "MiB"):
+            assert fig["median"] > 0, fname
         assert fig["q1"] <= fig["median"] <= fig["q3"], fname
         assert fig["spread"] == pytest.approx(fig["q3"] - fig["q1"])
     for t in d["targets"]:
@@ -111,10 +126,10 @@ def test_each_benchmark_has_its_targets(tiny_run):
                                     "decode_last_over_first"}
     assert figures["models"] == {f"{m.name}.speed_vs_transformers"
                                  for m in PRESETS["tiny"]["models"].models}
-    assert figures["hooks"] == {"idle_over_compiled_out"}
+    assert figures["hooks"] == {"idle_over_switched_off"}
     assert figures["importance"] == {"scoring_over_forward_backward"}
     assert figures["pruning"] == {"B4_S16.drop_over_predicted"}
-    assert figures["generate"] == {"speed_vs_transformers"}
+    assert figures["generate"] == {"speed_vs_transformers", "kernel_over_torch_products"}
     assert figures["quality"] == {"minilm-l6.michel_unnormalised_over_random"}
 
 
@@ -127,14 +142,38 @@ def test_references_compute_the_same_function(tiny_run):
     for key, value in by["models"].checks.items():
         if key.endswith("max_abs_diff"):
             assert value < 1e-4, key
-    models = by["models"].checks
-    assert models["large_products"] == kernels.matmul_status()
-    if kernels.matmul_available():  # the kernel changes no bit
-        for name in (m.name for m in PRESETS["tiny"]["models"].models):
-            assert models[f"{name}.max_abs_diff"] == models[f"{name}.torch_products_max_abs_diff"]
-    assert by["hooks"].checks["reference_output_identical"] is True
+    hooks = by["hooks"].checks
+    assert hooks["switched_off_output_identical"] is True
+    assert hooks["switched_off_captures_nothing"] is True
     gen = by["generate"].checks
-    assert gen["new_tokens"] == {"headlab": 8, "transformers": 8}
+    assert gen["new_tokens"] == {"headlab": 8, "headlab_torch_products": 8, "transformers": 8}
+    assert gen["kernel_and_torch_products_agree_before_first_difference"] == 8
+
+
+def _paired(fig: Figure, num: Figure, den: Figure) -> None:
+    """``fig`` holds, round by round, num / den."""
+    assert fig.n == num.n == den.n
+    expected = [a / b for a, b in zip(num.samples, den.samples, strict=True)]
+    assert list(fig.samples) == pytest.approx(expected, rel=1e-12)
+
+
+def test_ratio_figures_are_the_paired_ratios_of_their_rounds(tiny_run):
+    """A speed ratio is headlab's rate over the reference's in the same round, not, say,
+    its inverse or a ratio of medians."""
+    _, results = tiny_run
+    by = {r.name: r.figures for r in results}
+    gen = by["generate"]
+    _paired(gen["speed_vs_transformers"], gen["headlab_tokens_per_s"],
+            gen["transformers_tokens_per_s"])
+    _paired(gen["kernel_over_torch_products"], gen["headlab_tokens_per_s"],
+            gen["headlab_torch_products_tokens_per_s"])
+    for m in PRESETS["tiny"]["models"].models:
+        _paired(by["models"][f"{m.name}.speed_vs_transformers"],
+                by["models"][f"{m.name}.headlab_tokens_per_s"],
+                by["models"][f"{m.name}.transformers_tokens_per_s"])
+    hooks = by["hooks"]
+    _paired(hooks["idle_over_switched_off"], hooks["idle_hooks_ms"],
+            hooks["hooks_switched_off_ms"])
 
 
 def test_pruning_records_flops_and_prediction(tiny_run):
@@ -210,6 +249,20 @@ def test_bad_arguments_are_user_errors(tmp_path):
             run_benchmarks("attention", quick=True, device="cuda", out=tmp_path)
 
 
+def test_a_benchmark_closes_only_the_model_cache_it_built():
+    shared = ModelCache("cpu")
+    try:
+        with model_cache(shared, "cpu") as cache:
+            assert cache is shared
+        assert Path(shared._tmp.name).is_dir()  # its owner closes it
+    finally:
+        shared.close()
+    with pytest.raises(RuntimeError, match="inside"), model_cache(None, "cpu") as own:
+        assert Path(own._tmp.name).is_dir()
+        raise RuntimeError("inside")
+    assert not Path(own._tmp.name).exists()  # closed on error too
+
+
 # ---------------------------------------------------------------------- FLOPs
 def test_flops_of_a_tiny_gpt2_by_hand():
     # E=8, H=2 (D=4), one layer, MLP 32, vocab 10; B=2, S=3 -> 6 tokens, 6 causal pairs
@@ -243,61 +296,10 @@ def test_flops_of_a_tiny_llama_with_gqa_by_hand():
     assert f["total"] == 1536 + 320 + 3072 + 640
 
 
-# ---------------------------------------------------------------------- hook-free reference
-def test_hook_checks_compile_out_of_a_forward():
-    from headlab.hookpoint import HookPoint, run_hook
-
-    class Toy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = HookPoint(), HookPoint()
-
-        def forward(self, x: torch.Tensor, flag: bool = False) -> torch.Tensor:
-            x = run_hook(self.a, x)
-            if self.b._forward_hooks:
-                x = self.b(x)
-            slow = flag or self.a._forward_hooks
-            return run_hook(self.b, x * 2) if not slow else x
-
-    fn, src = compile_without_hooks(Toy.forward)
-    assert "_forward_hooks" not in src and "run_hook" not in src
-    toy = Toy()
-    toy.a.register_forward_hook(lambda m, i, o: o + 100)
-    x = torch.ones(3)
-    assert torch.equal(fn(toy, x), x * 2)  # the hook is no longer reached
-    assert torch.equal(toy(x), torch.full((3,), 101.0))  # the class itself is untouched
-
-
-def test_model_without_hook_checks_matches_and_leaves_the_original_alone():
-    from headlab.hooks import capture
-
-    torch.manual_seed(0)
-    model = GPT2(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2,
-                            n_head=2)).eval()
-    bare, rewritten = without_hook_checks(model)
-    assert rewritten == ["GPT2Block.forward", "MultiHeadAttention.forward"]
-    ids = torch.randint(0, 50, (2, 7))
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, bare(ids).logits)
-        with capture(model, "pattern") as cap:
-            model(ids)
-        assert len(cap) == 2
-        with capture(bare, "pattern") as cap_bare:
-            bare(ids)
-        assert len(cap_bare) == 0  # no hook point is reached in the reference
-
-
+# ---------------------------------------------------------------------- memory
 def test_peak_bytes_sees_a_temporary_allocation():
     def make():
         big = torch.ones(2**20)  # 4 MiB, freed before returning
         return float(big.sum())
 
-    assert bench._peak_bytes(make, "cpu") >= 4 * 2**20
-
-
-def test_hook_free_copy_shares_the_weights():
-    model = GPT2(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    bare, _ = without_hook_checks(model)
-    for (name, p), q in zip(model.named_parameters(), bare.parameters(), strict=True):
-        assert p is q, name
-    assert bare.blocks[0].attn.head_gate is model.blocks[0].attn.head_gate
+    assert peak_bytes(make, "cpu") >= 4 * 2**20

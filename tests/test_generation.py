@@ -1,15 +1,21 @@
 """Tests for headlab.generation: cached greedy and sampled decoding on tiny random models.
 
 Every check runs on both a GPT-2 (learned positions, MHA) and a Llama (rotary, GQA),
-built directly from headlab configs with random weights.
+built directly from headlab configs with random weights. The decoding kernel's products
+are checked against torch's and its switch against leaking out of `generate`.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch import nn
+from torch.testing import assert_close
 
-from headlab.generation import generate
+from headlab import kernels
+from headlab.generation import _kernel_products, generate
 from headlab.models.gpt2 import GPT2, GPT2Config
 from headlab.models.llama import Llama, LlamaConfig
 
@@ -165,3 +171,75 @@ def test_positions_beyond_the_model_are_refused(model):
 def test_bad_settings_are_refused(model, kw):
     with pytest.raises(ValueError):
         generate(model, _prompt(), do_sample=True, **kw)
+
+
+# ---------------------------------------------------------------------- decoding kernel
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
+
+
+def _linears(model) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def _counted_kernel(monkeypatch) -> list[int]:
+    """One entry (the rows multiplied) per product the kernel computes."""
+    calls: list[int] = []
+    real = kernels.linear_rows
+
+    def counted(x, w, bias):
+        y = real(x, w, bias)
+        if y is not None:
+            calls.append(x.numel() // x.shape[-1])
+        return y
+
+    monkeypatch.setattr(kernels, "linear_rows", counted)
+    return calls
+
+
+@needs_kernel
+def test_kernel_products_equal_torchs_within_float32_rounding(model, monkeypatch):
+    calls = _counted_kernel(monkeypatch)
+    ids = _prompt()
+    with torch.no_grad():
+        step = ids[:, -1:]  # one decode step of 3 rows after a 5-token prefill
+        logits = []
+        for switch in (contextlib.nullcontext, lambda: _kernel_products(model)):
+            cache = model.new_cache()
+            model(ids, cache=cache)
+            with switch():
+                logits.append(model(step, cache=cache).logits)
+        torch_logits, kernel_logits = logits
+    assert len(calls) == len(_linears(model))  # every linear layer took the kernel
+    assert_close(kernel_logits, torch_logits, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_only_decode_steps_take_the_kernel(model, monkeypatch):
+    calls = _counted_kernel(monkeypatch)
+    ids = _prompt()
+    generate(model, ids, max_new_tokens=4, eos_token_id=(), decode_kernel=False)
+    assert calls == []
+    out = generate(model, ids, max_new_tokens=4, eos_token_id=())
+    # 3 decode steps of 3 rows (the prefill and the first token need no kernel)
+    assert calls == [3] * (3 * len(_linears(model)))
+    assert torch.equal(out, generate(model, ids, max_new_tokens=4, eos_token_id=(),
+                                     decode_kernel=False))
+
+
+def test_the_kernel_switch_never_outlives_its_block(model):
+    generate(model, _prompt(), max_new_tokens=3, eos_token_id=())
+    assert all("forward" not in m.__dict__ for m in _linears(model))
+    with pytest.raises(RuntimeError, match="inside"), _kernel_products(model):
+        assert all("forward" in m.__dict__ for m in _linears(model)) or not kernels.available()
+        raise RuntimeError("inside")
+    assert all("forward" not in m.__dict__ for m in _linears(model))
+
+
+def test_without_the_kernel_generation_uses_torch(model, monkeypatch):
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    ids = _prompt()
+    with _kernel_products(model):
+        assert all("forward" not in m.__dict__ for m in _linears(model))
+    out = generate(model, ids, max_new_tokens=4, eos_token_id=())
+    assert torch.equal(out, generate(model, ids, max_new_tokens=4, eos_token_id=(),
+                                     decode_kernel=False))

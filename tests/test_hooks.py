@@ -327,3 +327,39 @@ def test_no_active_hook_takes_the_fast_path(tiny_gpt2, ids, monkeypatch):
     assert len(cap) == 3
     assert_close(with_z, plain, rtol=0, atol=0)
     assert_close(with_pattern, plain, **TIGHT)
+
+
+# ---------------------------------------------------------------------- the off switch
+def test_hooks_disabled_switches_every_hook_off_and_back(tiny_gpt2, ids):
+    """Inside hooks_disabled a registered intervention changes nothing and a capture
+    stores nothing, at every kind of hook site (run_hook calls and the points the
+    attention tests itself: q, k, v, z, scores, pattern); outside, both work again."""
+    from headlab.hookpoint import hooks_disabled, hooks_enabled
+
+    names = ["q", "k", "v", "z", "scores", "pattern", "out"]
+    with torch.no_grad():
+        plain = tiny_gpt2(ids).logits
+        fns = {f"blocks.1.attn.{n}": (lambda x, _name: x * 1.5) for n in names}
+        fns["blocks.0.resid_post"] = lambda x, _name: x + 1.0
+        with hooks(tiny_gpt2, fns):
+            hooked = tiny_gpt2(ids).logits
+            with hooks_disabled():
+                assert not hooks_enabled()
+                off = tiny_gpt2(ids).logits
+            again = tiny_gpt2(ids).logits
+        with capture(tiny_gpt2, names) as cap, hooks_disabled():
+            tiny_gpt2(ids)
+    assert hooks_enabled()
+    assert not torch.allclose(hooked, plain, rtol=1e-3, atol=1e-3)
+    assert_close(off, plain, **TIGHT)
+    assert torch.equal(again, hooked)
+    assert len(cap) == 0
+    assert _no_hooks_left(tiny_gpt2)
+
+
+def test_hooks_disabled_is_restored_after_an_error():
+    from headlab.hookpoint import hooks_disabled, hooks_enabled
+
+    with pytest.raises(KeyError), hooks_disabled():
+        raise KeyError("inside")
+    assert hooks_enabled()

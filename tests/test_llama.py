@@ -314,7 +314,7 @@ def test_inference_mlp_in_place_equals_autograd_path_and_spares_hooked_outputs(p
     the same bits, and an output a user's hook holds is left as it was."""
     _, _, model = pair
     mlp = model.blocks[0].mlp
-    # 24 rows: F.linear on both paths (16 rows or fewer take headlab.linear's decode path)
+    # (B=2, S=12): every product is torch's F.linear on both paths
     x = torch.randn(2, 12, mlp.gate_proj.in_features, requires_grad=True)
     with_grad = mlp(x)
     with torch.inference_mode():

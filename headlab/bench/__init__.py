@@ -1,0 +1,198 @@
+"""Benchmarks behind `headlab bench`: every figure is a ratio to a reference run in the
+same process, on the same weights and inputs, timed as `headlab._timing` describes.
+
+    attention   headlab MultiHeadAttention vs torch.nn.MultiheadAttention and vs bare
+                scaled_dot_product_attention between the same projections; KV-cache decode
+                step time late in a 512-token decode vs early
+    models      forward tokens/s vs transformers (sdpa) on the same weights: parity, as
+                both run torch's products
+    hooks       hook points present but idle vs the same forward with hooks switched off
+                (`headlab.hookpoint.hooks_disabled`); capturing every pattern vs a plain
+                forward; capture memory
+    importance  Michel scoring tokens/s vs plain forward+backward tokens/s
+    pruning     latency drop of a model pruned to keep 0.5 vs the FLOP-predicted drop
+    generate    SmolLM2 greedy decoding tokens/s with the decoding kernel vs torch's
+                products and vs transformers' generate; the fraction of the
+                memory-bandwidth bound
+    quality     held-out quality lost when pruning with michel vs with random scores
+                (3 seeds), on the real bundled SmolLM2 and MiniLM; not a timing
+
+Every figure is reported as median and interquartile range (``spread`` = q3 - q1), with
+its samples. Each benchmark writes ``<out>/<name>.json`` (figures, ratios, targets with
+``meets``, machine, versions, date); `run_benchmarks` prints one Markdown table of all
+targets. A target that is missed is reported as missed: nothing here is tuned to pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headlab._io import atomic_write_json, atomic_write_text
+from headlab._timing import cores, load_average, machine_info, pinned_threads
+from headlab.bench._common import BenchResult, Figure, Target, markdown_table, versions
+from headlab.bench._models import TINY_BERT, TINY_GPT2, TINY_LLAMA, ModelCache, ModelSpec
+from headlab.bench.attention import AttentionSizes, bench_attention
+from headlab.bench.generate import GenerateSizes, bench_generate
+from headlab.bench.hooks import HooksSizes, bench_hooks
+from headlab.bench.importance import ImportanceSizes, bench_importance
+from headlab.bench.models import ModelsSizes, bench_models
+from headlab.bench.pruning import PruningSizes, bench_pruning, count_flops
+from headlab.bench.quality import QualitySizes, bench_quality
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BENCHMARKS",
+    "PRESETS",
+    "BenchResult",
+    "Figure",
+    "ModelCache",
+    "ModelSpec",
+    "Target",
+    "count_flops",
+    "markdown_table",
+    "run_benchmarks",
+]
+
+BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
+    "attention": bench_attention,
+    "models": bench_models,
+    "hooks": bench_hooks,
+    "importance": bench_importance,
+    "pruning": bench_pruning,
+    "generate": bench_generate,
+    "quality": bench_quality,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "full": {
+        "attention": AttentionSizes(),
+        "models": ModelsSizes(),
+        "hooks": HooksSizes(),
+        "importance": ImportanceSizes(),
+        "pruning": PruningSizes(),
+        "generate": GenerateSizes(),
+        "quality": QualitySizes(),
+    },
+    # a few minutes on two cores once the SmolLM2 conversion is cached
+    "quick": {
+        "attention": AttentionSizes(seqs=(256,), decode_runs=5, repeats=5, warmup=1),
+        "models": ModelsSizes(batch=1, seq=64, repeats=3),
+        "hooks": HooksSizes(seq=32, repeats=15, capture_repeats=3),
+        "importance": ImportanceSizes(batch=1, seq=64, repeats=2),
+        "pruning": PruningSizes(shapes=((16, 16), (1, 16)), repeats=5),
+        "generate": GenerateSizes(new_tokens=32, repeats=3, copy_mib=256),
+        "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048))),
+    },
+    # for the tests: seconds, random tiny models only
+    "tiny": {
+        "attention": AttentionSizes(d_model=64, n_heads=4, batch=2, seqs=(16, 32),
+                                    decode_tokens=48, decode_window=8, decode_runs=2,
+                                    repeats=3, warmup=1),
+        "models": ModelsSizes(models=(TINY_GPT2, TINY_BERT, TINY_LLAMA), batch=2, seq=16,
+                              repeats=3),
+        "hooks": HooksSizes(model=TINY_GPT2, batch=2, seq=16, repeats=3, capture_repeats=3),
+        "importance": ImportanceSizes(model=TINY_GPT2, batch=2, seq=16, n_batches=2,
+                                      repeats=3),
+        "pruning": PruningSizes(model=TINY_GPT2, shapes=((4, 16), (1, 16)), repeats=3),
+        "generate": GenerateSizes(model=TINY_LLAMA, prompt=4, new_tokens=8, repeats=3,
+                                  copy_mib=4),
+        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4),
+    },
+}
+
+
+def _device(name: str) -> str:
+    """The device to run on: `headlab.config.resolve_device`, and CUDA only where torch
+    sees it."""
+    from headlab.config import resolve_device
+    from headlab.errors import UserError
+
+    device = resolve_device(name)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: torch sees no CUDA device here "
+                        f"(torch {torch.__version__}); use --device cpu")
+    return device
+
+
+def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
+                   preset: str | None = None, threads: int | None = None) -> list[BenchResult]:
+    """Run one benchmark or ``"all"``; write ``out/<name>.json`` for each and
+    ``out/summary.md``; print the Markdown table of targets.
+
+    ``preset`` ("full", "quick", "tiny") overrides ``quick``; ``threads`` overrides the
+    thread count (see `headlab._timing.pinned_threads`). A benchmark that fails is
+    recorded as failed (its JSON holds the error) and the others still run; a UserError
+    naming the failures is raised at the end.
+    """
+    from headlab.errors import UserError
+
+    names = list(BENCHMARKS) if which == "all" else [which]
+    if which != "all" and which not in BENCHMARKS:
+        raise UserError(f"unknown benchmark {which!r}; choose from "
+                        f"{', '.join([*BENCHMARKS, 'all'])}")
+    preset = preset or ("quick" if quick else "full")
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    device = _device(device)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    context = {"preset": preset, "device": device, "versions": versions(),
+               "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    loads = [load_average()]
+    if loads[0] > cores() - 0.5:
+        log.warning("the machine is busy (load average %.1f on %d cores): timings will be "
+                    "noisy, and OpenMP threads that spin while a sibling is preempted can make "
+                    "multi-threaded forwards several times slower; OMP_WAIT_POLICY=PASSIVE "
+                    "(set before starting) or HEADLAB_BENCH_THREADS=1 avoid that",
+                    loads[0], cores())
+    results: list[BenchResult] = []
+    cache = ModelCache(device)
+    t_all = time.perf_counter()
+    try:
+        with pinned_threads(threads) as threads:
+            log.info("headlab bench %s (%s, %s, %d threads)", which, preset, device, threads)
+            machine = machine_info(device)
+            for name in names:
+                log.info("%s ...", name)
+                gc.collect()
+                t0 = time.perf_counter()
+                machine = machine_info(device)
+                try:
+                    result = BENCHMARKS[name](PRESETS[preset][name], device=device,
+                                              models=cache)
+                except Exception as exc:  # recorded, reported, and raised at the end
+                    log.exception("benchmark %s failed", name)
+                    result = BenchResult(name, error=f"{type(exc).__name__}: {exc}")
+                result.elapsed_s = time.perf_counter() - t0
+                machine["load_average_after"] = machine_info(device)["load_average"]
+                loads.append(load_average())
+                results.append(result)
+                atomic_write_json(out / f"{name}.json",
+                                  result.to_json({**context, "machine": machine}))
+                log.info("%s done in %.1f s -> %s", name, result.elapsed_s,
+                         out / f"{name}.json")
+    finally:
+        cache.close()
+    table = markdown_table(results)
+    footer = (f"\n{preset} preset on {device}, {time.perf_counter() - t_all:.0f} s; "
+              f"{machine['cpu']}, {cores()} cores, {machine['torch_threads']} torch threads; "
+              f"1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run "
+              f"(above the core count, other processes shared the cores)\n")
+    atomic_write_text(out / "summary.md",
+                      f"# headlab bench {which}\n\n{context['date']}\n\n{table}{footer}")
+    sys.stdout.write(table + footer)
+    sys.stdout.flush()
+    failed = [r.name for r in results if r.error is not None]
+    if failed:
+        raise UserError(f"benchmarks failed: {', '.join(failed)} (see {out}/<name>.json)")
+    return results
