@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from headlab.attention import KVCache, Mask, MultiHeadAttention, apply_rotary
+from headlab.attention import MultiHeadAttention, apply_rotary
+from headlab.kv_cache import KVCache
+from headlab.masks import Mask
 
 F64 = torch.float64
 F32 = torch.float32

@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from headlab._io import atomic_path, atomic_write_text
-from headlab.attention import KVCache, MultiHeadAttention
+from headlab.attention import MultiHeadAttention
+from headlab.kv_cache import KVCache
 
 HEADLAB_FORMAT = 1
-KINDS = ("causal-lm", "masked-lm", "classifier", "embedding")
 
 
 @dataclass
@@ -64,6 +64,12 @@ class FamilyConfig:
             )
         return cls(**d)
 
+    @classmethod
+    def known(cls, hf: Mapping[str, Any], *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The entries of an HF config.json that are fields of this config: HF configs
+        carry many keys a headlab model does not need, and those are ignored."""
+        return {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and k not in skip}
+
 
 class HeadModel(nn.Module):
     """A transformer whose every block has ``attn``, a MultiHeadAttention.
@@ -73,7 +79,11 @@ class HeadModel(nn.Module):
     """
 
     family: ClassVar[str] = ""
+    causal: ClassVar[bool] = False  # whether a query attends only to itself and the past
     config_class: ClassVar[type[FamilyConfig]]
+    # why pruned models of this family have no Hugging Face export (see models.export);
+    # a family that has one sets None and defines to_hf(self) -> (config, state dict)
+    hf_export_unsupported: ClassVar[str | None] = "headlab has no Hugging Face export for it"
     kind: str
     blocks: nn.ModuleList
     tokenizer: Any = None
@@ -197,6 +207,43 @@ class HeadModel(nn.Module):
     def extra_config(self) -> dict[str, Any]:
         """Family-specific construction facts beyond the config (e.g. head kind)."""
         return {}
+
+
+class DecoderLM(HeadModel):
+    """A causal language model: embeddings, causal blocks, a final norm, ``lm_head``.
+
+    ``forward`` settles what every decoder shares (the positions after the cached ones,
+    the logits); a family implements ``decode``, its embeddings, mask and blocks.
+    """
+
+    causal = True
+    lm_head: nn.Linear
+
+    def __init__(self, config: FamilyConfig) -> None:
+        super().__init__(config)
+        self.kind = "causal-lm"
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        cache: Cache | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """input_ids (B, S); attention_mask (B, T) with 1 = real token, T = past + S;
+        position_ids (B|1, S), by default past .. past + S - 1 as in HF's forward."""
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            S = input_ids.shape[1]
+            position_ids = torch.arange(past, past + S, device=input_ids.device)[None]
+        h = self.decode(input_ids, attention_mask, position_ids, past, cache)  # (B, S, E)
+        return ModelOutput(last_hidden_state=h, logits=self.lm_head(h))
+
+    def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor, past: int, cache: Cache | None) -> torch.Tensor:
+        """The final hidden states (B, S, E) of ``input_ids`` after ``past`` cached ones."""
+        raise NotImplementedError
 
 
 def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

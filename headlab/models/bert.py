@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headlab.attention import Mask, MultiHeadAttention
+from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
+from headlab.masks import Mask
 from headlab.models.base import (
     FamilyConfig,
     HeadModel,
@@ -95,8 +96,7 @@ class BertConfig(FamilyConfig):
             raise ValueError(
                 f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})"
             )
-        names = [f for f in cls.__dataclass_fields__ if f in hf and f != "labels"]
-        kwargs = {k: hf[k] for k in names}
+        kwargs = cls.known(hf, skip=("labels",))
         # HF serialises num_labels only as id2label (keys are str in JSON, int in memory)
         id2label = {int(k): v for k, v in (hf.get("id2label") or {}).items()}
         if id2label:
@@ -164,6 +164,12 @@ class Bert(HeadModel):
 
     family = "bert"
     config_class = BertConfig
+    # why `--export hf` keeps the headlab format (headlab.models.export): a pruned layer
+    # has fewer heads of the same size, which the HF config cannot say
+    hf_export_unsupported = (
+        "HF BERT derives the head size from hidden_size / num_attention_heads, so a layer "
+        "with fewer heads has no HF config"
+    )
 
     def __init__(
         self,
@@ -242,7 +248,8 @@ class Bert(HeadModel):
         if padding is not None and bool(padding.all()):
             padding = None
         mask = Mask.build(
-            batch=B, q_len=S, k_len=S, device=x.device, causal=False, key_padding_mask=padding,
+            batch=B, q_len=S, k_len=S, device=x.device, causal=self.causal,
+            key_padding_mask=padding,
         )
         for block in self.blocks:
             x = block(x, mask)
@@ -428,12 +435,5 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     load_into(model, state, what="BERT checkpoint")
     return model
 
-
-# Why `--export hf` keeps the headlab format for this family: a pruned layer has fewer
-# heads of the same size, which the HF config cannot say.
-HF_EXPORT_UNSUPPORTED = (
-    "HF BERT derives the head size from hidden_size / num_attention_heads, so a layer "
-    "with fewer heads has no HF config"
-)
 
 MODEL_CLASS = Bert

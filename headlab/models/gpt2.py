@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headlab.attention import Mask, MultiHeadAttention
+from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
+from headlab.masks import Mask
 from headlab.models.base import (
-    Cache,
+    DecoderLM,
     FamilyConfig,
-    HeadModel,
-    ModelOutput,
     WeightMap,
     convert_state_dict,
     load_into,
@@ -58,9 +57,8 @@ class GPT2Config(FamilyConfig):
                 f"GPT-2 activation {hf['activation_function']!r} is not supported; "
                 f"supported: {sorted(_ACTIVATIONS)}"
             )
-        names = [f for f in cls.__dataclass_fields__ if f in hf]
         # reorder_and_upcast_attn only upcasts: headlab always computes scores in float32
-        return cls(**{k: hf[k] for k in names})
+        return cls(**cls.known(hf))
 
 
 class GPT2MLP(nn.Module):
@@ -103,16 +101,21 @@ class GPT2Block(nn.Module):
         return run_hook(self.resid_post, x)
 
 
-class GPT2(HeadModel):
+class GPT2(DecoderLM):
     """GPT-2 causal language model: ``forward`` returns logits (B, S, V)."""
 
     family = "gpt2"
     config_class = GPT2Config
+    # why `--export hf` keeps the headlab format (headlab.models.export): a pruned layer
+    # has fewer heads of the same size, which the HF config cannot say
+    hf_export_unsupported = (
+        "HF GPT-2 derives the head size from n_embd / n_head, so a layer with fewer heads "
+        "has no HF config"
+    )
 
     def __init__(self, config: GPT2Config, layout: list[list[int]] | None = None) -> None:
         """``layout``: each layer's kv_index list, for rebuilding a pruned model."""
         super().__init__(config)
-        self.kind = "causal-lm"
         layout = layout or [None] * config.n_layer
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
@@ -125,33 +128,21 @@ class GPT2(HeadModel):
     def max_positions(self) -> int:
         return self.config.n_positions
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        cache: Cache | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> ModelOutput:
-        """input_ids (B, S); attention_mask (B, T) with 1 = real token, T = past + S."""
+    def decode(self, input_ids, attention_mask, position_ids, past, cache):
         B, S = input_ids.shape
-        past = cache.length if cache is not None else 0
         if past + S > self.config.n_positions:
             raise ValueError(
                 f"sequence of {past + S} tokens exceeds GPT-2's {self.config.n_positions} "
                 "positions; truncate the input or use shorter blocks"
             )
-        if position_ids is None:
-            position_ids = torch.arange(past, past + S, device=input_ids.device)[None]
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, S, E)
         mask = Mask.build(
-            batch=B, q_len=S, k_len=past + S, device=x.device, causal=True,
+            batch=B, q_len=S, k_len=past + S, device=x.device, causal=self.causal,
             key_padding_mask=attention_mask,
         )
         for i, block in enumerate(self.blocks):
             x = block(x, mask, cache.layers[i] if cache is not None else None)
-        h = self.ln_f(x)
-        return ModelOutput(last_hidden_state=h, logits=self.lm_head(h))
+        return self.ln_f(x)
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:
@@ -204,12 +195,5 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     load_into(model, state, what="GPT-2 checkpoint")
     return model
 
-
-# Why `--export hf` keeps the headlab format for this family: a pruned layer has fewer
-# heads of the same size, which the HF config cannot say.
-HF_EXPORT_UNSUPPORTED = (
-    "HF GPT-2 derives the head size from n_embd / n_head, so a layer with fewer heads "
-    "has no HF config"
-)
 
 MODEL_CLASS = GPT2

@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headlab.attention import Mask, MultiHeadAttention
+from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
+from headlab.masks import Mask
 from headlab.models.base import (
-    Cache,
+    DecoderLM,
     FamilyConfig,
-    HeadModel,
-    ModelOutput,
     WeightMap,
     convert_state_dict,
     invert_state_dict,
@@ -111,8 +110,7 @@ class LlamaConfig(FamilyConfig):
             )
         scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
 
-        names = [f for f in cls.__dataclass_fields__ if f in hf]
-        kw = {k: hf[k] for k in names}
+        kw = cls.known(hf)
         kw.update(rope_theta=theta, rope_scaling=scaling)
         # Only Mistral reads sliding_window (its default is 4096); Llama ignores it.
         if model_type == "mistral":
@@ -244,7 +242,7 @@ class LlamaBlock(nn.Module):
         return run_hook(self.resid_post, x)
 
 
-class Llama(HeadModel):
+class Llama(DecoderLM):
     """Llama-family causal language model: ``forward`` returns logits (B, S, V)."""
 
     family = "llama"
@@ -253,7 +251,6 @@ class Llama(HeadModel):
     def __init__(self, config: LlamaConfig, layout: list[list[int]] | None = None) -> None:
         """``layout``: each layer's kv_index list, for rebuilding a pruned model."""
         super().__init__(config)
-        self.kind = "causal-lm"
         layout = layout or [None] * config.num_hidden_layers
         if len(layout) != config.num_hidden_layers:
             raise ValueError(
@@ -271,20 +268,8 @@ class Llama(HeadModel):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        cache: Cache | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> ModelOutput:
-        """input_ids (B, S); attention_mask (B, T) with 1 = real token, T = past + S;
-        position_ids (B|1, S), by default past .. past + S - 1 as in HF's forward."""
+    def decode(self, input_ids, attention_mask, position_ids, past, cache):
         B, S = input_ids.shape
-        past = cache.length if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + S, device=input_ids.device)[None]
         x = self.embed_tokens(input_ids)  # (B, S, E)
         rotary = self.rotary(position_ids, x.dtype)  # cos, sin: (B|1, S, D)
         # a window as long as every key cuts nothing: leave it out to keep SDPA's fast path
@@ -292,13 +277,52 @@ class Llama(HeadModel):
         if window is not None and past + S <= window:
             window = None
         mask = Mask.build(
-            batch=B, q_len=S, k_len=past + S, device=x.device, causal=True,
+            batch=B, q_len=S, k_len=past + S, device=x.device, causal=self.causal,
             key_padding_mask=attention_mask, window=window,
         )
         for i, block in enumerate(self.blocks):
             x = block(x, mask, rotary, cache.layers[i] if cache is not None else None)
-        h = self.norm(x)
-        return ModelOutput(last_hidden_state=h, logits=self.lm_head(h))
+        return self.norm(x)
+
+    # ---------------------------------------------------------------- HF export
+    hf_export_unsupported = None  # whole, equal GQA groups export as they are
+
+    def to_hf(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """An HF config dict and state dict for a (uniformly pruned) Llama/Mistral.
+
+        HF Llama takes ``head_dim`` apart from ``hidden_size / num_attention_heads`` and
+        groups query heads contiguously per key/value head, so a model whose layers keep
+        the same number of heads and whole, equal groups is expressible as it is
+        (`headlab.models.export.hf_expressible` checks that before calling this).
+        """
+        cfg = self.config
+        mistral = cfg.sliding_window is not None
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if cfg.rope_scaling:
+            rope.update(cfg.rope_scaling)
+        hf = {
+            "model_type": "mistral" if mistral else "llama",
+            "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": self.heads_per_layer[0],
+            "num_key_value_heads": self.kv_heads_per_layer[0],
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_parameters": rope, "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+            "pad_token_id": cfg.pad_token_id,
+        }
+        if mistral:
+            hf["sliding_window"] = cfg.sliding_window
+        state = {k: v for k, v in self.state_dict().items()
+                 if not k.endswith(("head_ids", "kv_head_ids", "kv_index", "head_gate"))}
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return hf, invert_state_dict(state, weight_map(cfg), cfg.num_hidden_layers,
+                                     prefix="model.")
 
 
 # ---------------------------------------------------------------------- conversion
@@ -356,43 +380,6 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     load_into(model, state, what=f"{hf_config.get('model_type', 'llama')} checkpoint")
     return model
-
-
-def to_hf(model: Llama) -> tuple[dict, dict[str, torch.Tensor]]:
-    """An HF config dict and state dict for a (uniformly pruned) Llama/Mistral.
-
-    HF Llama takes ``head_dim`` apart from ``hidden_size / num_attention_heads`` and
-    groups query heads contiguously per key/value head, so a model whose layers keep
-    the same number of heads and whole, equal groups is expressible as it is
-    (`headlab.pruning.hf_expressible` checks that before calling this).
-    """
-    cfg = model.config
-    mistral = cfg.sliding_window is not None
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling:
-        rope.update(cfg.rope_scaling)
-    hf = {
-        "model_type": "mistral" if mistral else "llama",
-        "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": model.heads_per_layer[0],
-        "num_key_value_heads": model.kv_heads_per_layer[0],
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": rope, "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-        "pad_token_id": cfg.pad_token_id,
-    }
-    if mistral:
-        hf["sliding_window"] = cfg.sliding_window
-    state = {k: v for k, v in model.state_dict().items()
-             if not k.endswith(("head_ids", "kv_head_ids", "kv_index", "head_gate"))}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    return hf, invert_state_dict(state, weight_map(cfg), cfg.num_hidden_layers, prefix="model.")
 
 
 MODEL_CLASS = Llama
