@@ -33,8 +33,10 @@ demo: setup
 	$(BIN)/headlab prune --model smollm2-135m --keep 0.6 --max-tokens 2048 \
 	  --out reports/demo-smollm2 --overwrite
 
+# ruff, and import-linter's layering contracts (pyproject.toml [tool.importlinter])
 lint: setup
 	$(BIN)/ruff check headlab tests
+	$(BIN)/lint-imports
 
 # the fast suite (plain pytest, under 10 minutes on 2 cores; real-model quality bars
 # included), then the slow end-to-end tests: resume after SIGKILL, recipes, notebook,
@@ -43,8 +45,8 @@ test: setup browser lint
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow
 
-# without the passive wait exported above: decoding splits each small product across
-# the threads, and a thread that sleeps between them wakes too late (see README)
+# without the passive wait exported above: the decoding kernel splits each small product
+# across the OpenMP threads, and a thread that sleeps between them wakes too late
 bench: setup
 	env -u OMP_WAIT_POLICY $(BIN)/headlab bench all --quick
 

@@ -4,7 +4,8 @@
     with headlab.capture(model, "pattern") as cap:
         model(ids)
     scores = headlab.score(model, blocks, method="michel")
-    plan = headlab.select(scores, keep=0.6)
+    total = model.n_layers * model.n_original_heads
+    plan = headlab.select(scores, headlab.heads_to_keep(total, keep=0.6))
     headlab.prune(model, plan)
     headlab.evaluate(model, heldout)
 """
@@ -12,11 +13,15 @@
 __version__ = "0.1.0"
 
 from headlab.data import Blocks, load_texts, make_blocks, split_blocks  # noqa: E402
-from headlab.evaluate import Quality, evaluate, prepare  # noqa: E402
+from headlab.evaluate import Quality, evaluate  # noqa: E402
 from headlab.hooks import Capture, capture, hooks  # noqa: E402
 from headlab.importance import HeadScores, score  # noqa: E402
 from headlab.models import HeadModel, load  # noqa: E402
-from headlab.pruning import PrunePlan, prune, prune_to_target, select  # noqa: E402
+from headlab.objectives import prepare  # noqa: E402
+from headlab.pruning import prune  # noqa: E402
+from headlab.results import RunResult  # noqa: E402
+from headlab.schedule import prune_to_target  # noqa: E402
+from headlab.selection import PrunePlan, heads_to_keep, select  # noqa: E402
 
 __all__ = [
     "Blocks",
@@ -24,10 +29,12 @@ __all__ = [
     "HeadModel",
     "HeadScores",
     "PrunePlan",
+    "RunResult",
     "Quality",
     "__version__",
     "capture",
     "evaluate",
+    "heads_to_keep",
     "hooks",
     "load",
     "load_texts",

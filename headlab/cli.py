@@ -11,9 +11,14 @@ import logging
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+from headlab.config import DEVICES, DTYPES, METHODS, SCHEDULES, RunConfig
+
+if TYPE_CHECKING:
+    from headlab.results import RunResult
 
 app = typer.Typer(
     name="headlab",
@@ -26,31 +31,14 @@ app = typer.Typer(
 log = logging.getLogger("headlab")
 
 
-class Method(StrEnum):
-    michel = "michel"
-    fisher = "fisher"
-    taylor = "taylor"
-    ablation = "ablation"
-    entropy = "entropy"
-    confidence = "confidence"
-    random = "random"
-
-
-class Schedule(StrEnum):
-    iterative = "iterative"
-    one_shot = "one-shot"
-
-
-class Device(StrEnum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class DType(StrEnum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+# choices and defaults come from headlab.config, where a run's keys are defined once
+Method = StrEnum("Method", [(m, m) for m in METHODS])
+Schedule = StrEnum("Schedule", [(m, m) for m in SCHEDULES])
+Device = StrEnum("Device", [(m, m) for m in DEVICES])
+DType = StrEnum("DType", [(m, m) for m in DTYPES])
+D = RunConfig.defaults()
+DEFAULT_METHOD, DEFAULT_SCHEDULE = Method(D["method"]), Schedule(D["schedule"])
+DEFAULT_DEVICE, DEFAULT_DTYPE = Device(D["device"]), DType(D["dtype"])
 
 
 def _setup(quiet: bool, json_mode: bool) -> None:
@@ -103,15 +91,11 @@ def _fail(message: str, code: int = 2) -> None:
 
 def _guard(fn, *args, **kwargs):
     """Run fn, turning the errors a user can act on into one line and exit code 2."""
-    from headlab.data import DataError
     from headlab.errors import UserError
-    from headlab.hooks import CaptureTooLargeError
-    from headlab.models.loading import ModelNotFoundError
 
     try:
         return fn(*args, **kwargs)
-    except (UserError, ModelNotFoundError, DataError, CaptureTooLargeError,
-            FileNotFoundError, FloatingPointError) as exc:
+    except (UserError, FileNotFoundError, FloatingPointError) as exc:
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     except ValueError as exc:  # validation deeper in the API (plans, shapes, keys)
         _fail(str(exc).splitlines()[0])
@@ -134,6 +118,20 @@ DataOpt = Annotated[str | None, typer.Option(
 MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
 OutOpt = Annotated[Path | None, typer.Option(
     help="Run directory (default reports/<model>-<method>-keep<k>-<time>/).")]
+TextColumnOpt = Annotated[str | None, typer.Option(help="Text column of the data.")]
+LabelColumnOpt = Annotated[str | None, typer.Option(help="Label column (classifiers).")]
+MaxTokensOpt = Annotated[int, typer.Option(help="Token budget for scoring + held-out.")]
+SeqLenOpt = Annotated[int | None, typer.Option(
+    help="Block length (default: the objective's, 256 for language models, 128 else, "
+         "capped by the model's positions).")]
+BatchSizeOpt = Annotated[int, typer.Option(help="Blocks per batch.")]
+SeedOpt = Annotated[int, typer.Option(
+    help="Seed of the scoring/held-out split, the masking and random scores.")]
+DeviceOpt = Annotated[Device, typer.Option(help="auto picks CUDA when present.")]
+DTypeOpt = Annotated[DType, typer.Option(help="Model dtype.")]
+OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing run directory.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary.")]
 NormalizeOpt = Annotated[bool | None, typer.Option(
     "--normalize/--no-normalize", show_default=False,
     help="Divide each layer's scores by their l2 norm (Michel et al.); default: on, but off "
@@ -144,17 +142,15 @@ PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fish
 ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
 
 
-def _summary(results: dict, out: Path) -> dict:
-    q = results.get("quality") or {}
-    lat = results.get("latency_ms") or {}
-    params = results.get("params") or {}
+def _summary(result: RunResult, out: Path) -> dict:
+    q, lat = result.quality, result.latency_ms
     return {
-        "run_dir": str(out), "model": results["model"], "method": results["method"],
-        "metric": q.get("metric"), "quality_before": q.get("before"),
-        "quality_after": q.get("after"), "heads_total": results.get("heads_total"),
-        "heads_kept": results.get("heads_kept"), "params_before": params.get("before"),
-        "params_after": params.get("after"), "latency_ms_before": lat.get("before"),
-        "latency_ms_after": lat.get("after"),
+        "run_dir": str(out), "model": result.model, "method": result.method,
+        "metric": q.metric, "quality_before": q.before, "quality_after": q.after,
+        "heads_total": result.heads_total, "heads_kept": result.heads_kept,
+        "params_before": result.params.before, "params_after": result.params.after,
+        "latency_ms_before": lat.before if lat else None,
+        "latency_ms_after": lat.after if lat else None,
         "report": str(out / "report.html"), "results": str(out / "results.json"),
         "model_dir": str(out / "model") if (out / "model").exists() else None,
     }
@@ -205,9 +201,9 @@ def _execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = N
     if resume is None and not config.get("model"):
         raise UserError("give --model (or --resume RUN_DIR to continue a run)")
     cfg = None if resume is not None else RunConfig.from_dict(config)
-    out, results = run(cfg, resume=resume)
+    out, result = run(cfg, resume=resume)
     if distributed.is_main():
-        _print_summary(_summary(results, out), json_mode, quiet)
+        _print_summary(_summary(result, out), json_mode, quiet)
 
 
 # ---------------------------------------------------------------- commands
@@ -218,28 +214,26 @@ def prune(
     = None,
     prune_n: Annotated[int | None, typer.Option("--prune", help="Number of heads to remove.")]
     = None,
-    method: MethodOpt = Method.michel,
+    method: MethodOpt = DEFAULT_METHOD,
     schedule: Annotated[Schedule, typer.Option(help="Re-score after each step, or once.")]
-    = Schedule.iterative,
-    step: Annotated[float, typer.Option(help="Fraction of the heads removed per step.")] = 0.1,
+    = DEFAULT_SCHEDULE,
+    step: Annotated[float, typer.Option(help="Fraction of the heads removed per step.")]
+    = D["step"],
     per_layer: Annotated[bool, typer.Option(help="Keep the same number in every layer.")]
     = False,
     min_heads_per_layer: Annotated[int, typer.Option(help="Protect each layer's best heads.")]
-    = 0,
+    = D["min_heads_per_layer"],
     data: DataOpt = None,
-    text_column: Annotated[str | None, typer.Option(help="Text column of the data.")] = None,
-    label_column: Annotated[str | None, typer.Option(help="Label column (classifiers).")]
-    = None,
-    max_tokens: Annotated[int, typer.Option(help="Token budget for scoring + held-out.")]
-    = 16384,
-    seq_len: Annotated[int | None, typer.Option(help="Block length (default 256 or limit).")]
-    = None,
-    batch_size: Annotated[int, typer.Option(help="Blocks per batch.")] = 8,
-    seed: Annotated[int, typer.Option(help="Seed for the split, masking and random.")] = 0,
-    device: Annotated[Device, typer.Option(help="auto picks CUDA when present.")] = Device.auto,
-    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DType.float32,
+    text_column: TextColumnOpt = None,
+    label_column: LabelColumnOpt = None,
+    max_tokens: MaxTokensOpt = D["max_tokens"],
+    seq_len: SeqLenOpt = None,
+    batch_size: BatchSizeOpt = D["batch_size"],
+    seed: SeedOpt = D["seed"],
+    device: DeviceOpt = DEFAULT_DEVICE,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     out: OutOpt = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory.")] = False,
+    overwrite: OverwriteOpt = False,
     export: Annotated[str | None, typer.Option(
         help="'hf': also write a directory plain transformers loads, where expressible.")]
     = None,
@@ -248,9 +242,9 @@ def prune(
     normalize: NormalizeOpt = None,
     global_minmax: MinmaxOpt = False,
     per_token: PerTokenOpt = False,
-    probes: ProbesOpt = 4,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")] = False,
-    json_mode: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+    probes: ProbesOpt = D["probes"],
+    quiet: QuietOpt = False,
+    json_mode: JsonOpt = False,
     resume: ResumeOpt = None,
 ) -> None:
     """Score every head, remove the least important, measure quality and speed.
@@ -274,24 +268,24 @@ def prune(
 @app.command()
 def score(
     model: RunModelOpt = None,
-    method: MethodOpt = Method.michel,
+    method: MethodOpt = DEFAULT_METHOD,
     data: DataOpt = None,
-    text_column: Annotated[str | None, typer.Option(help="Text column of the data.")] = None,
-    label_column: Annotated[str | None, typer.Option(help="Label column.")] = None,
-    max_tokens: Annotated[int, typer.Option(help="Token budget.")] = 16384,
-    seq_len: Annotated[int | None, typer.Option(help="Block length.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Blocks per batch.")] = 8,
-    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    text_column: TextColumnOpt = None,
+    label_column: LabelColumnOpt = None,
+    max_tokens: MaxTokensOpt = D["max_tokens"],
+    seq_len: SeqLenOpt = None,
+    batch_size: BatchSizeOpt = D["batch_size"],
+    seed: SeedOpt = D["seed"],
     normalize: NormalizeOpt = None,
     global_minmax: MinmaxOpt = False,
     per_token: PerTokenOpt = False,
-    probes: ProbesOpt = 4,
-    device: Annotated[Device, typer.Option(help="auto picks CUDA when present.")] = Device.auto,
-    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DType.float32,
+    probes: ProbesOpt = D["probes"],
+    device: DeviceOpt = DEFAULT_DEVICE,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     out: OutOpt = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
-    json_mode: Annotated[bool, typer.Option("--json")] = False,
+    overwrite: OverwriteOpt = False,
+    quiet: QuietOpt = False,
+    json_mode: JsonOpt = False,
     resume: ResumeOpt = None,
 ) -> None:
     """Score head importance only (results.json, importance.csv, report.html).
@@ -312,19 +306,18 @@ def score(
 def eval_(
     model: ModelOpt,
     data: DataOpt = None,
-    text_column: Annotated[str | None, typer.Option(help="Text column.")] = None,
-    label_column: Annotated[str | None, typer.Option(help="Label column.")] = None,
-    max_tokens: Annotated[int, typer.Option(help="Token budget.")] = 16384,
-    seq_len: Annotated[int | None, typer.Option(help="Block length.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Blocks per batch.")] = 8,
-    seed: Annotated[int, typer.Option(help="Seed of the split (same as the prune run's).")]
-    = 0,
+    text_column: TextColumnOpt = None,
+    label_column: LabelColumnOpt = None,
+    max_tokens: MaxTokensOpt = D["max_tokens"],
+    seq_len: SeqLenOpt = None,
+    batch_size: BatchSizeOpt = D["batch_size"],
+    seed: SeedOpt = D["seed"],
     reference: Annotated[str | None, typer.Option(
         help="Unpruned model that embedding fidelity is measured against.")] = None,
-    device: Annotated[Device, typer.Option()] = Device.auto,
-    dtype: Annotated[DType, typer.Option()] = DType.float32,
-    json_mode: Annotated[bool, typer.Option("--json")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    device: DeviceOpt = DEFAULT_DEVICE,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
+    json_mode: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Measure a model's (or pruned run directory's) quality on the held-out split.
 
@@ -333,8 +326,9 @@ def eval_(
     _setup(quiet, json_mode)
 
     def body():
-        from headlab.config import RunConfig
+        from headlab.errors import UserError
         from headlab.evaluate import evaluate
+        from headlab.objectives import objective_for
         from headlab.runs import build_data, load_model
 
         cfg = RunConfig.from_dict(dict(
@@ -343,9 +337,9 @@ def eval_(
             batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value))
         m = load_model(cfg)
         ref = m
-        if m.kind == "embedding":
+        if objective_for(m).needs_reference:
             if reference is None:
-                raise ValueError("embedding fidelity compares with the unpruned model: "
+                raise UserError("embedding fidelity compares with the unpruned model: "
                                  "pass --reference ORIGINAL_MODEL")
             ref = load_model(RunConfig.from_dict({**cfg.to_dict(), "model": reference}))
         _, heldout, _ = build_data(cfg, ref)
@@ -368,7 +362,7 @@ def inspect(
     html: Annotated[Path | None, typer.Option(help="Write an interactive HTML view here.")]
     = None,
     top: Annotated[int, typer.Option(help="Rows of the table (most confident heads).")] = 20,
-    device: Annotated[Device, typer.Option()] = Device.auto,
+    device: DeviceOpt = DEFAULT_DEVICE,
 ) -> None:
     """Per-head statistics for one text, and an optional HTML attention view.
 
@@ -436,8 +430,8 @@ def bench(
 def run_recipe(
     recipe: Annotated[Path, typer.Argument(help="A TOML recipe (see recipes/).")],
     overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides.")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
-    json_mode: Annotated[bool, typer.Option("--json")] = False,
+    quiet: QuietOpt = False,
+    json_mode: JsonOpt = False,
 ) -> None:
     """Run a recipe: headlab run recipes/smollm2-offline.toml keep=0.5"""
     _setup(quiet, json_mode)

@@ -17,8 +17,8 @@ import torch
 
 from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS
+from headlab.objectives import DEFAULT_BATCH_SIZE
 
-DEFAULT_BATCH_SIZE = 8
 SCHEDULES = ("iterative", "one-shot")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -74,6 +74,12 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Each key's default, for the CLI; keys without a plain default are left out."""
+        return {f.name: f.default for f in fields(cls)
+                if f.default is not dataclasses.MISSING}
+
     def validated(self) -> RunConfig:
         """Check types and ranges; raise UserError naming the key."""
         for f in fields(self):
@@ -82,9 +88,10 @@ class RunConfig:
             raise UserError("model must name a model (a bundled name, directory, file or hub id)")
         if self.command not in COMMANDS:
             raise UserError(f"command must be one of {COMMANDS}, got {self.command!r}")
-        for m in [self.method, *self.compare]:
+        for key, m in [("method", self.method), *(("compare", c) for c in self.compare)]:
             if m not in METHODS:
-                raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+                raise UserError(f"--{key}: unknown method {m!r}; choose from "
+                                f"{', '.join(METHODS)}")
         if self.per_token and self.method not in PER_TOKEN_METHODS:
             raise UserError(f"--per-token applies to {' and '.join(PER_TOKEN_METHODS)}, "
                             f"not {self.method}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import html as _html
 import inspect
 import math
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,17 @@ from typing import Any
 import torch
 
 from headlab._io import atomic_write_text
-from headlab.analysis import HeadStats, TokenRoles, head_statistics, rollout
+from headlab.analysis import (
+    HeadStats,
+    TokenRoles,
+    display_token,
+    head_statistics,
+    rollout,
+)
 from headlab.hooks import capture
 from headlab.models.base import HeadModel
+from headlab.report import encode_attention, render
+from headlab.results import BeforeAfter, DataSummary, RunResult, Sample
 
 __all__ = [
     "AttentionView",
@@ -210,11 +217,6 @@ class AttentionView:
         return self.page
 
 
-def _pretty(token: str) -> str:
-    """A token as a reader would write it: word-boundary marks become spaces."""
-    return token.replace("Ġ", " ").replace("▁", " ").replace("Ċ", "\n").replace("</w>", "")
-
-
 def _statistics(model: HeadModel, enc: _Encoded) -> HeadStats:
     tok = _tokenizer(model)
     roles = TokenRoles.from_tokens([enc.tokens], cls_token=getattr(tok, "cls_token", None),
@@ -222,46 +224,28 @@ def _statistics(model: HeadModel, enc: _Encoded) -> HeadStats:
     return head_statistics(enc.patterns, roles, head_ids=enc.head_ids)
 
 
-def _results(model: HeadModel, text: str, enc: _Encoded, stats: HeadStats) -> dict:
-    """The smallest results dict (the results.json schema) that headlab.report renders:
-    the sample's attention, the statistics, and per-head confidence as "importance"."""
-    from headlab.report import encode_attention
-
+def _result(model: HeadModel, text: str, enc: _Encoded, stats: HeadStats) -> RunResult:
+    """The smallest RunResult that headlab.report renders: the sample's attention, the
+    statistics, and per-head confidence as "importance"."""
     n_heads = _n_original_heads(model, enc)
-    confidence: list[list[float | None]] = [[None] * n_heads for _ in enc.patterns]
+    confidence = [[math.nan] * n_heads for _ in enc.patterns]
     for record in stats.records:
-        value = record["confidence"]
-        confidence[record["layer"]][record["head"]] = None if math.isnan(value) else value
+        confidence[record["layer"]][record["head"]] = record["confidence"]
     pruned = any(len(ids) < n_heads for ids in enc.head_ids)
     attention = torch.cat(_padded(enc, n_heads))  # (L, H0, S, S)
-    return {
-        "model": str(getattr(model, "source", None) or type(model).__name__),
-        "family": getattr(model, "family", None),
-        "kind": getattr(model, "kind", None),
-        "method": "inspect",
-        "importance": confidence,
-        "importance_normalisation": None,
-        "heads_total": len(enc.patterns) * n_heads,
+    return RunResult(
+        model=str(getattr(model, "source", None) or type(model).__name__),
+        method="inspect", importance=confidence, heads_total=len(enc.patterns) * n_heads,
+        family=getattr(model, "family", None), kind=getattr(model, "kind", None),
         # a pruned model's missing heads show as pruned; an unpruned one is "score only"
-        "heads_kept": sum(len(ids) for ids in enc.head_ids) if pruned else None,
-        "kept_heads": {str(layer): ids for layer, ids in enumerate(enc.head_ids)}
-        if pruned else None,
-        "data": {"spec": f"one text, {len(enc.tokens)} tokens", "seq_len": len(enc.tokens)},
-        "params": {"before": model.num_parameters(), "after": None},
-        "sample": {"text": text, "tokens": [_pretty(t) for t in enc.tokens],
-                   "attention": encode_attention(attention)},
-        "statistics": [{k: (None if isinstance(v, float) and math.isnan(v) else v)
-                        for k, v in r.items()} for r in stats.records],
-        "clusters": None,
-    }
-
-
-def _render(results: dict) -> str:
-    """The report page as a string, through headlab.report's public build_report."""
-    from headlab.report import build_report
-
-    with tempfile.TemporaryDirectory(prefix="headlab-view-") as tmp:
-        return build_report(results, Path(tmp) / "view.html").read_text(encoding="utf-8")
+        heads_kept=sum(len(ids) for ids in enc.head_ids) if pruned else None,
+        kept_heads=dict(enumerate(enc.head_ids)) if pruned else None,
+        data=DataSummary(spec=f"one text, {len(enc.tokens)} tokens", seq_len=len(enc.tokens)),
+        params=BeforeAfter(model.num_parameters()),
+        sample=Sample(text, [display_token(t) for t in enc.tokens],
+                      encode_attention(attention)),
+        statistics=stats.records,
+    )
 
 
 def attention_html(model: HeadModel, text: str, *, height: int = 720) -> AttentionView:
@@ -275,7 +259,7 @@ def attention_html(model: HeadModel, text: str, *, height: int = 720) -> Attenti
     Jupyter, ``.page`` is the HTML, ``.save(path)`` writes it.
     """
     enc = _encode(model, text)
-    page = _render(_results(model, text, enc, _statistics(model, enc)))
+    page = render(_result(model, text, enc, _statistics(model, enc)))
     return AttentionView(page, height=height)
 
 
@@ -318,7 +302,7 @@ def inspect_text(
     stats = _statistics(model, enc)
     written = None
     if html is not None:
-        page = _render(_results(model, text, enc, stats))
+        page = render(_result(model, text, enc, stats))
         written = atomic_write_text(html, page)
     records = [{k: _rounded(v) for k, v in r.items()} for r in stats.records]
     return records, written
@@ -336,4 +320,4 @@ def rollout_for(
     """
     enc = _encode(model, text)
     flow = rollout(enc.patterns, head_fusion=head_fusion)  # (1, S, S)
-    return [_pretty(t) for t in enc.tokens], flow[0]
+    return [display_token(t) for t in enc.tokens], flow[0]

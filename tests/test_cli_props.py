@@ -1,13 +1,15 @@
-"""Random configurations never crash the argument checks: valid or one clear UserError."""
+"""Random configurations never crash the argument checks: either a configuration whose
+every key is in range, or one line that names the key at fault."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headlab.config import RunConfig, load_recipe
+from headlab.config import DEVICES, DTYPES, METHODS, SCHEDULES, RunConfig, load_recipe
 from headlab.errors import UserError
 
 _values = st.one_of(
@@ -26,12 +28,27 @@ def test_run_config_accepts_or_says_why(d):
     try:
         cfg = RunConfig.from_dict(d)
     except UserError as exc:
-        assert str(exc) and "\n" not in str(exc)
+        message = str(exc)
+        assert message and "\n" not in message
+        # the message names the key at fault, given or missing (as a key or as its --flag)
+        keys = set(d) | set(RunConfig.__dataclass_fields__)
+        named = [k for k in keys if k.strip() and (k.strip() in message
+                                                   or k.replace("_", "-") in message)]
+        assert named, f"{message!r} names none of {sorted(keys)}"
         return
-    # whatever passed validation is in range
+    # whatever passed validation is in range, and is what was given
+    assert all(getattr(cfg, k) == v or (v != v) for k, v in d.items())  # NaN never passes
     assert cfg.keep is None or 0 < cfg.keep <= 1
+    assert cfg.prune is None or cfg.prune >= 1
+    assert cfg.keep is None or cfg.prune is None
     assert cfg.batch_size >= 1 and cfg.max_tokens >= 1 and 0 < cfg.step <= 1
-    assert cfg.probes >= 1
+    assert cfg.probes >= 1 and cfg.checkpoint_every >= 1 and cfg.min_heads_per_layer >= 0
+    assert cfg.seq_len is None or cfg.seq_len >= 4
+    assert 0 < cfg.heldout < 1
+    assert cfg.method in METHODS and set(cfg.compare) <= set(METHODS)
+    assert cfg.schedule in SCHEDULES and cfg.dtype in DTYPES
+    assert cfg.device in DEVICES or cfg.device.startswith("cuda:")
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
 @settings(max_examples=100, deadline=None)
@@ -40,6 +57,41 @@ def test_recipe_overrides_accept_or_say_why(tmp_path_factory, overrides):
     path = Path(tmp_path_factory.mktemp("r")) / "r.toml"
     path.write_text('# headlab run r.toml\nmodel = "minilm-l6"\nkeep = 0.5\n')
     try:
-        load_recipe(path, overrides)
+        config = load_recipe(path, overrides)
     except UserError as exc:
-        assert str(exc)
+        message = str(exc)
+        assert message and "\n" not in message
+        # a malformed override is quoted; a bad key or value is named
+        keys = [o.split("=", 1)[0].strip() for o in overrides]
+        assert any(repr(o) in message or repr(k) in message or (k and k in message)
+                   for o, k in zip(overrides, keys, strict=True)), \
+            f"{message!r} names none of {overrides}"
+        return
+    # every override took effect, the last one of a key winning
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        assert key in config
+    assert RunConfig.from_dict(config).model == config["model"]
+
+
+# one bad value per key, the rest valid: the one line names that key (or its --flag)
+_BAD = {
+    "command": "train", "method": "magic", "compare": ["magic"], "keep": 1.5, "prune": 0,
+    "schedule": "sometimes", "step": 0.0, "per_layer": "yes", "min_heads_per_layer": -1,
+    "data": 3, "max_tokens": 0, "seq_len": 2, "batch_size": 0, "heldout": 1.0, "seed": "x",
+    "normalize": "on", "probes": 0, "device": "tpu", "dtype": "float8", "out": 5,
+    "export": "onnx", "sample_tokens": 1, "checkpoint_every": 0, "latency_batch": 0,
+    "latency_seq_len": 0, "model": "",
+}
+
+
+@pytest.mark.parametrize("key", sorted(_BAD))
+def test_a_bad_value_is_refused_naming_its_key(key):
+    d = {"model": "minilm-l6", "keep": 0.5, key: _BAD[key]}
+    if key == "prune":
+        del d["keep"]
+    with pytest.raises(UserError) as info:
+        RunConfig.from_dict(d)
+    message = str(info.value)
+    assert "\n" not in message
+    assert key in message or key.replace("_", "-") in message, message

@@ -22,10 +22,16 @@ from hypothesis.extra.numpy import arrays
 
 from headlab.report import build_report, decode_attention, encode_attention, write_report
 from headlab.report._encoding import script_json
+from headlab.results import RunResult
 
 HOSTILE = "</script><img src=x onerror=alert(1)>"
 ARTIFACTS = Path(__file__).parent / "artifacts"
 QUANT_TOL = 0.5 / 255 + 1e-6  # rounding to the nearest of 256 levels
+
+
+def _build(results: dict, path: Path) -> Path:
+    """Render a results.json dict as the report command does: through RunResult."""
+    return build_report(RunResult.from_json(results), path)
 
 
 def _softmax_attention(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -106,7 +112,7 @@ def full_results() -> dict:
 
 
 def test_report_embeds_data_once_with_policy_naming_its_script(tmp_path, full_results):
-    html = build_report(full_results, tmp_path / "report.html").read_text(encoding="utf-8")
+    html = _build(full_results, tmp_path / "report.html").read_text(encoding="utf-8")
     assert len(re.findall(r"<script\b", html)) == 2  # the data block and the code
     csp = re.search(r'http-equiv="Content-Security-Policy" content="([^"]*)"', html).group(1)
     assert "default-src &#39;none&#39;" in csp and "img-src data:" in csp
@@ -123,7 +129,7 @@ def test_report_embeds_data_once_with_policy_naming_its_script(tmp_path, full_re
 
 def test_report_for_144_heads_and_64_tokens_is_under_5_mb(tmp_path, full_results):
     assert full_results["sample"]["attention"]["shape"] == [12, 12, 64, 64]
-    size = build_report(full_results, tmp_path / "report.html").stat().st_size
+    size = _build(full_results, tmp_path / "report.html").stat().st_size
     assert 12 * 12 * 64 * 64 < size <= 5 * 1024 * 1024  # holds the sample, stays small
 
 
@@ -132,14 +138,14 @@ def test_hostile_strings_are_escaped_everywhere(tmp_path):
     r["model"] = r["clusters"]["names"]["0"] = r["config"]["seed"] = HOSTILE
     r["curves"][HOSTILE] = r["curves"].pop("ablation")
     r["files"]["results"] = "javascript:alert(1)"
-    html = build_report(r, tmp_path / "report.html").read_text(encoding="utf-8")
+    html = _build(r, tmp_path / "report.html").read_text(encoding="utf-8")
     assert "<img" not in html and HOSTILE not in html
     assert 'href="javascript:' not in html
     assert _embedded(html)["sample"]["tokens"][0] == HOSTILE
 
 
 def test_score_only_run_says_what_was_not_measured(tmp_path, full_results):
-    html = build_report(score_only(full_results), tmp_path / "r.html").read_text("utf-8")
+    html = _build(score_only(full_results), tmp_path / "r.html").read_text("utf-8")
     assert "score only: nothing was pruned" in html
     assert "not measured" in html
     assert 'class="run-marker"' not in html and 'class="cross"' not in html
@@ -149,7 +155,7 @@ def test_score_only_run_says_what_was_not_measured(tmp_path, full_results):
 def test_minimal_results_render(tmp_path):
     r = {"model": "m", "method": "ablation", "heads_total": 4,
          "importance": [[0.1, None], [math.nan, 0.4]]}
-    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    html = _build(r, tmp_path / "r.html").read_text("utf-8")
     assert html.count("not measured") >= 10
     assert "not scored" in html and _embedded(html) == {"sample": None, "pruned": None}
 
@@ -166,34 +172,34 @@ def test_any_optional_key_may_be_null_or_absent(tmp_path, key, how):
         r[key] = None
     else:
         del r[key]
-    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    html = _build(r, tmp_path / "r.html").read_text("utf-8")
     assert 'class="figure heatmap"' in html
 
 
 def test_unusable_sample_is_reported_not_fatal(tmp_path, full_results):
     r = dict(full_results, sample=dict(full_results["sample"], tokens=["a", "b"]))
-    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    html = _build(r, tmp_path / "r.html").read_text("utf-8")
     assert "covers 64 positions but the sample has 2 tokens" in html
     assert _embedded(html)["sample"] is None
 
 
 def test_single_curve_is_drawn_under_the_method_name(tmp_path, full_results):
     r = {k: v for k, v in full_results.items() if k != "curves"}
-    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    html = _build(r, tmp_path / "r.html").read_text("utf-8")
     assert re.findall(r'data-method="([^"]*)"', html) == ["michel"]
     assert "grey, dashed" not in html  # no random curve is drawn, so none is described
     assert "No <code>random</code> curve was run" in html
 
 
 def test_random_curve_is_described_when_drawn(tmp_path, full_results):
-    html = build_report(full_results, tmp_path / "r.html").read_text("utf-8")
+    html = _build(full_results, tmp_path / "r.html").read_text("utf-8")
     assert "random" in re.findall(r'data-method="([^"]*)"', html)
     assert "<code>random</code> (grey, dashed) is the floor" in html
 
 
 def test_missing_required_key_is_an_actionable_error(tmp_path):
     with pytest.raises(ValueError, match="importance"):
-        build_report({"model": "m", "method": "x", "heads_total": 1}, tmp_path / "r.html")
+        _build({"model": "m", "method": "x", "heads_total": 1}, tmp_path / "r.html")
 
 
 def test_write_report_rebuilds_from_results_json(tmp_path, full_results):
@@ -266,7 +272,7 @@ FIGURES = ["svg.heatmap", "svg.curve", "#gallery-grid canvas", "#explorer-canvas
 @pytest.mark.parametrize("kind", ["pruned", "score-only"])
 def test_report_draws_every_figure_offline(browser, tmp_path, full_results, kind):
     results = full_results if kind == "pruned" else score_only(full_results)
-    _open_clean(browser, build_report(results, tmp_path / "report.html"))
+    _open_clean(browser, _build(results, tmp_path / "report.html"))
     expected = FIGURES if kind == "pruned" else [f for f in FIGURES if f != "svg.curve"]
     for selector in expected:
         width, height = _size(browser, selector)
@@ -286,7 +292,7 @@ def test_report_interactions(browser, tmp_path, full_results):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.support.ui import Select
 
-    _open_clean(browser, build_report(full_results, tmp_path / "report.html"))
+    _open_clean(browser, _build(full_results, tmp_path / "report.html"))
     tokens = full_results["sample"]["tokens"]
     weights = decode_attention(full_results["sample"]["attention"])  # (L, H, S, S)
 
@@ -346,7 +352,7 @@ def test_hostile_token_shows_as_text_and_runs_nothing(browser, tmp_path):
     r = make_results(layers=2, heads=2, seq=8, tokens=[*sample_tokens(4), HOSTILE,
                                                        *sample_tokens(3)])
     r["model"] = r["clusters"]["names"]["0"] = HOSTILE
-    _open_clean(browser, build_report(r, tmp_path / "report.html"))
+    _open_clean(browser, _build(r, tmp_path / "report.html"))
     with pytest.raises(NoAlertPresentException):
         browser.switch_to.alert.text  # noqa: B018 - reading it is the check
     assert browser.find_elements("css selector", "img") == []
@@ -366,7 +372,7 @@ def test_changes_from_a_vanishing_base_read_as_differences():
 def test_unnormalised_importance_says_none(tmp_path):
     r = {"model": "m", "method": "taylor", "heads_total": 2, "importance": [[0.1, 0.2]],
          "importance_normalisation": None}
-    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    html = _build(r, tmp_path / "r.html").read_text("utf-8")
     assert "<dt>importance normalisation</dt><dd>none</dd>" in html
 
 
@@ -374,6 +380,6 @@ def test_summary_counts_the_examples_beside_the_tokens(tmp_path):
     r = {"model": "m", "method": "michel", "heads_total": 2, "importance": [[0.1, 0.2]],
          "data": {"scoring_tokens": 8237, "heldout_tokens": 8120,
                   "scoring_examples": 354, "heldout_examples": 355}}
-    html = build_report(r, tmp_path / "r.html").read_text("utf-8")
+    html = _build(r, tmp_path / "r.html").read_text("utf-8")
     assert "<dt>tokens (scoring / held-out)</dt><dd>8,237 / 8,120</dd>" in html
     assert "<dt>examples (scoring / held-out)</dt><dd>354 / 355</dd>" in html

@@ -18,29 +18,21 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
+from headlab._io import atomic_write_text
+from headlab.errors import UserError
+from headlab.results import RunResult
+
 from . import _context
 from ._encoding import decode_attention, encode_attention, script_json
 
-__all__ = ["build_report", "decode_attention", "encode_attention", "write_report"]
+__all__ = ["build_report", "decode_attention", "encode_attention", "render", "write_report"]
 
 _HERE = Path(__file__).parent
-_REQUIRED = ("model", "method", "importance", "heads_total")
 
 
-def build_report(results: dict, out_path: str | Path) -> Path:
-    """Render the results dict (the results.json schema) to a standalone HTML file."""
-    missing = [k for k in _REQUIRED if results.get(k) is None]
-    if missing:
-        raise ValueError(f"results lack {', '.join(missing)}; a report needs at least "
-                         f"{', '.join(_REQUIRED)} (see reports/README.md)")
-    importance = results["importance"]
-    if not isinstance(importance, list) or not all(isinstance(r, list) for r in importance):
-        raise ValueError("results['importance'] must be a list of per-layer lists of floats "
-                         f"(layers x heads); got {type(importance).__name__}")
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_render(results), encoding="utf-8")
-    return out
+def build_report(result: RunResult, out_path: str | Path) -> Path:
+    """Render ``result`` to a standalone HTML file (written atomically); returns its path."""
+    return atomic_write_text(out_path, render(result))
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -49,11 +41,15 @@ def write_report(run_dir: str | Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; RUN_DIR must be a directory written by "
                                 "`headlab prune` or `headlab run`")
-    results = json.loads(path.read_text(encoding="utf-8"))
-    return build_report(results, path.parent / "report.html")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}); rerun the run or restore the "
+                        "file") from exc
+    return build_report(RunResult.from_json(data), path.parent / "report.html")
 
 
-def _render(results: dict) -> str:
+def render(result: RunResult) -> str:
     """The page as one string: inline CSS and JS, the policy, the data block, the figures."""
     js = (_HERE / "report.js").read_text(encoding="utf-8")
     css = (_HERE / "report.css").read_text(encoding="utf-8")
@@ -65,31 +61,31 @@ def _render(results: dict) -> str:
     csp = (f"default-src 'none'; script-src 'sha256-{script_hash}'; "
            "style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'")
 
-    mask = _context.pruned_mask(results)
-    facts = _context.run_facts(results)
-    sample, sample_note = _context.sample_view(results)
+    mask = _context.pruned_mask(result)
+    facts = _context.run_facts(result)
+    sample, sample_note = _context.sample_view(result)
     data = {"sample": sample, "pruned": mask}
     env = Environment(loader=FileSystemLoader(_HERE), autoescape=True,
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     return env.get_template("template.html").render(
-        r=results,
+        r=result,
         csp=csp,
         css=Markup(css),
         js=Markup(js),
         data_json=Markup(script_json(data)),
         facts=facts,
         keep_text=None if facts["keep"] == _context.NOT_MEASURED else facts["keep"],
-        normalisation=results.get("importance_normalisation"),
-        warning=_context.get(results, "data", "warning"),
+        normalisation=result.importance_normalisation,
+        warning=result.data.warning,
         score_only=mask is None,
-        summary=_context.summary_rows(results),
-        per_layer=_context.per_layer_rows(results),
-        config=_context.config_rows(results.get("config")),
-        figures=_context.figures(results, mask),
-        random_curve="random" in _context.run_curves(results),
-        cluster_method=_context.get(results, "clusters", "method"),
-        stats=_context.statistics_table(results, mask),
-        files=_context.file_links(results),
+        summary=_context.summary_rows(result),
+        per_layer=_context.per_layer_rows(result),
+        config=_context.config_rows(result.config),
+        figures=_context.figures(result, mask),
+        random_curve="random" in _context.run_curves(result),
+        cluster_method=result.clusters.method if result.clusters else None,
+        stats=_context.statistics_table(result, mask),
+        files=_context.file_links(result),
         sample=sample,
         sample_note=sample_note,
         not_measured=_context.NOT_MEASURED,

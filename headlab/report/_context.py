@@ -1,8 +1,8 @@
-"""Turn a results dict into what the template shows.
+"""Turn a `RunResult` into what the template shows.
 
-Only model, method, importance and heads_total are required; every other key may be
-missing or null, and each reader below falls back to None, which the template shows
-as "not measured". Nothing here raises on a partial or odd results file.
+A figure the run did not measure is None in the result, and the template shows it as
+"not measured". `RunResult.from_json` has already turned absent or malformed parts of a
+results.json into None, so the readers below only decide how each figure reads.
 """
 
 from __future__ import annotations
@@ -14,31 +14,16 @@ from typing import Any
 
 from markupsafe import Markup
 
+from headlab.results import RunResult
+
 from . import _figures
 from ._encoding import decode_attention
 
 NOT_MEASURED = "not measured"
 
-# Statistics columns in reading order; other numeric keys found in the records follow.
-_STAT_COLUMNS = ["entropy", "first", "cls", "sep", "punct", "self", "prev", "next",
-                 "confidence"]
 _FILE_LABELS = {"results": "results (JSON)", "importance_csv": "importance scores (CSV)",
                 "model": "pruned model (directory)"}
 _URL_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:|^[/\\]{2}")
-
-
-def get(d: Any, *keys: str) -> Any:
-    """d[k1][k2]... or None where any level is missing, null or not a dict."""
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
-
-
-def _dict(x: Any) -> dict:
-    """x when it is a dict, else an empty one: a null or malformed section reads as absent."""
-    return x if isinstance(x, dict) else {}
 
 
 def _num(x: Any) -> float | None:
@@ -46,21 +31,13 @@ def _num(x: Any) -> float | None:
         and math.isfinite(x) else None
 
 
-def pruned_mask(results: dict) -> list[list[bool]] | None:
+def pruned_mask(result: RunResult) -> list[list[bool]] | None:
     """mask[layer][head] = True where the head was pruned; None for a score-only run.
-
-    kept_heads maps layer (a string in JSON) to the original indices kept; a layer
-    absent from it kept no heads.
-    """
-    kept = results.get("kept_heads")
-    if not isinstance(kept, dict):
+    A layer absent from kept_heads kept no heads."""
+    if result.kept_heads is None:
         return None
-    mask = []
-    for layer, row in enumerate(results["importance"]):
-        kept_here = kept.get(str(layer), kept.get(layer))
-        kept_here = set(kept_here) if isinstance(kept_here, list) else set()
-        mask.append([h not in kept_here for h in range(len(row))])
-    return mask
+    return [[h not in set(result.kept_heads.get(layer, ())) for h in range(len(row))]
+            for layer, row in enumerate(result.importance)]
 
 
 def _change(before: float | None, after: float | None,
@@ -110,73 +87,67 @@ def _bytes(x: float) -> str:
     return f"{x / 1024:,.1f} KiB" if x >= 1024 else f"{x:,.0f} B"
 
 
-def summary_rows(results: dict) -> list[dict]:
+def summary_rows(result: RunResult) -> list[dict]:
     """Before -> after rows: quality on held-out data, heads, parameters, speed, memory."""
-    q = _dict(results.get("quality"))
-    metric = q.get("metric") or "quality"
-    hib = q.get("higher_is_better")
-    heads_after = results.get("heads_kept") if results.get("kept_heads") else None
-    lat = _dict(results.get("latency_ms"))
-    lat_note = (f"batch {lat['batch']} x {lat['seq_len']} tokens"
-                if lat.get("batch") and lat.get("seq_len") else "")
+    q, lat = result.quality, result.latency_ms
+    lat_note = f"batch {lat.batch} x {lat.seq_len} tokens" if lat and lat.batch \
+        and lat.seq_len else ""
     return [
-        _row(f"{metric} (held-out)", q.get("before"), q.get("after"), _sig,
-             higher_is_better=hib),
-        _row("loss (held-out)", q.get("loss_before"), q.get("loss_after"), _sig,
+        _row(f"{q.metric or 'quality'} (held-out)", q.before, q.after, _sig,
+             higher_is_better=q.higher_is_better),
+        _row("loss (held-out)", q.loss_before, q.loss_after, _sig, higher_is_better=False),
+        _row("attention heads", result.heads_total,
+             None if result.score_only else result.heads_kept, _count),
+        _row("parameters", result.params.before, result.params.after, _params,
              higher_is_better=False),
-        _row("attention heads", results.get("heads_total"), heads_after, _count),
-        _row("parameters", get(results, "params", "before"), get(results, "params", "after"),
-             _params, higher_is_better=False),
-        _row("latency", lat.get("before"), lat.get("after"), _ms, higher_is_better=False,
-             note=lat_note),
-        _row("key/value cache per token", get(results, "kv_cache_bytes_per_token", "before"),
-             get(results, "kv_cache_bytes_per_token", "after"), _bytes,
-             higher_is_better=False),
+        _row("latency", lat.before if lat else None, lat.after if lat else None, _ms,
+             higher_is_better=False, note=lat_note),
+        _row("key/value cache per token", result.kv_cache_bytes_per_token.before,
+             result.kv_cache_bytes_per_token.after, _bytes, higher_is_better=False),
     ]
 
 
-def per_layer_rows(results: dict) -> list[dict]:
+def per_layer_rows(result: RunResult) -> list[dict]:
     """Heads and key/value heads per layer, before and after, as space-separated counts."""
     rows = []
-    for key, label in (("heads_per_layer", "heads per layer"),
-                       ("kv_heads_per_layer", "key/value heads per layer")):
-        d = _dict(results.get(key))
-        if d.get("before") is None and d.get("after") is None:
+    for counts, label in ((result.heads_per_layer, "heads per layer"),
+                          (result.kv_heads_per_layer, "key/value heads per layer")):
+        if counts.before is None and counts.after is None:
             continue
         rows.append({"label": label, **{
-            side: " ".join(str(n) for n in d[side]) if isinstance(d.get(side), list)
-            else NOT_MEASURED for side in ("before", "after")}})
+            side: NOT_MEASURED if value is None else " ".join(str(n) for n in value)
+            for side, value in (("before", counts.before), ("after", counts.after))}})
     return rows
 
 
-def run_facts(results: dict) -> dict[str, str]:
+def _pair(a: int | None, b: int | None) -> str | None:
+    """"a / b" with thousands separators, '?' for a missing side; None when both are."""
+    if a is None and b is None:
+        return None
+    return " / ".join("?" if n is None else f"{n:,}" for n in (a, b))
+
+
+def run_facts(result: RunResult) -> dict[str, str]:
     """The header's key facts: what was run, on which data, with which settings."""
-    data = _dict(results.get("data"))
-    keep = _num(results.get("keep"))
-    versions = _dict(results.get("versions"))
+    data = result.data
     facts = [
-        ("model", results.get("model")),
-        ("family / kind", " / ".join(str(x) for x in (results.get("family"),
-                                                     results.get("kind")) if x)),
-        ("method", results.get("method")),
-        ("schedule", results.get("schedule")),
-        ("keep", f"{keep:.0%} of heads" if keep is not None else None),
-        ("data", data.get("spec")),
-        ("tokens (scoring / held-out)", " / ".join(
-            f"{data[k]:,}" if isinstance(data.get(k), int) else "?"
-            for k in ("scoring_tokens", "heldout_tokens"))
-            if data.get("scoring_tokens") or data.get("heldout_tokens") else None),
+        ("model", result.model),
+        ("family / kind", " / ".join(x for x in (result.family, result.kind) if x)),
+        ("method", result.method),
+        ("schedule", result.schedule),
+        ("keep", f"{result.keep:.0%} of heads" if result.keep is not None else None),
+        ("data", data.spec),
+        ("tokens (scoring / held-out)", _pair(data.scoring_tokens, data.heldout_tokens)),
         # rows: blocks of a language model's stream, or examples (sentences) of an encoder
-        ("examples (scoring / held-out)", " / ".join(
-            f"{data[k]:,}" for k in ("scoring_examples", "heldout_examples"))
-            if isinstance(data.get("scoring_examples"), int)
-            and isinstance(data.get("heldout_examples"), int) else None),
-        ("sequence length", data.get("seq_len")),
-        ("importance normalisation", results.get("importance_normalisation")
-         or ("none" if results.get("importance") else None)),
-        ("status", results.get("status")),
-        ("created", results.get("created")),
-        ("versions", ", ".join(f"{k} {v}" for k, v in versions.items())),
+        ("examples (scoring / held-out)", _pair(data.scoring_examples, data.heldout_examples)
+         if data.scoring_examples is not None and data.heldout_examples is not None
+         else None),
+        ("sequence length", data.seq_len),
+        ("importance normalisation", result.importance_normalisation
+         or ("none" if result.importance else None)),
+        ("status", result.status),
+        ("created", result.created),
+        ("versions", ", ".join(f"{k} {v}" for k, v in result.versions.items())),
     ]
     return {k: str(v) if v not in (None, "") else NOT_MEASURED for k, v in facts}
 
@@ -195,22 +166,29 @@ def config_rows(config: Any, prefix: str = "") -> list[tuple[str, str]]:
     return rows
 
 
-def statistics_table(results: dict, mask: list[list[bool]] | None) -> dict | None:
+def _is_statistic(v: Any) -> bool:
+    """A number (NaN included) or null: what a statistics record holds per column."""
+    return v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+
+
+def statistics_table(result: RunResult, mask: list[list[bool]] | None) -> dict | None:
     """Columns and rows of the per-head statistics table, with importance and cluster.
 
     Each cell is (text, sort key); the sort key is a number, or "" when missing so the
     browser-side sort puts it last.
     """
-    records = [r for r in results.get("statistics") or [] if isinstance(r, dict)]
+    records = result.statistics
     if not records:
         return None
-    extra = [k for r in records for k, v in r.items()
-             if k not in _STAT_COLUMNS and k not in ("layer", "head") and _num(v) is not None]
-    stats = [c for c in _STAT_COLUMNS if any(c in r for r in records)]
-    stats += list(dict.fromkeys(extra))
-    clusters = _dict(results.get("clusters"))
-    labels, names = clusters.get("labels") or [], _dict(clusters.get("names"))
-    importance = results["importance"]
+    # The columns are the records' own keys, in the order headlab.analysis writes them
+    # (STAT_NAMES), so the report needs no copy of that list and shows any statistic a
+    # later version adds. A null is a statistic that had no rows to average.
+    stats = list(dict.fromkeys(k for r in records for k, v in r.items()
+                               if k not in ("layer", "head") and _is_statistic(v)))
+    clusters = result.clusters
+    labels = clusters.labels if clusters else []
+    names = clusters.names if clusters else {}
+    importance = result.importance
 
     rows = []
     for i, r in enumerate(records):
@@ -221,7 +199,7 @@ def statistics_table(results: dict, mask: list[list[bool]] | None) -> dict | Non
             imp = _num(importance[layer][head])
         is_pruned = bool(mask and isinstance(layer, int) and isinstance(head, int)
                          and layer < len(mask) and head < len(mask[layer]) and mask[layer][head])
-        cluster = names.get(str(labels[i]), f"cluster {labels[i]}") if i < len(labels) else ""
+        cluster = names.get(labels[i], f"cluster {labels[i]}") if i < len(labels) else ""
         cells = [(str(layer), layer if isinstance(layer, int) else ""),
                  (str(head), head if isinstance(head, int) else "")]
         cells += [(f"{v:.3f}", v) if (v := _num(r.get(c))) is not None else ("", "")
@@ -236,15 +214,12 @@ def statistics_table(results: dict, mask: list[list[bool]] | None) -> dict | Non
     return {"columns": columns, "rows": rows}
 
 
-def file_links(results: dict) -> list[dict]:
+def file_links(result: RunResult) -> list[dict]:
     """Links to the run's files, relative to report.html; anything with a URL scheme
     (javascript:, http:) or a host is shown as text, never as a link."""
-    files = results.get("files")
-    if not isinstance(files, dict):
-        return []
     links = []
-    for key, path in files.items():
-        if not isinstance(path, str) or not path:
+    for key, path in result.files.items():
+        if not path:
             continue
         safe = not _URL_SCHEME.match(path.strip())
         links.append({"label": _FILE_LABELS.get(key, key), "path": path,
@@ -252,59 +227,54 @@ def file_links(results: dict) -> list[dict]:
     return links
 
 
-def sample_view(results: dict) -> tuple[dict | None, str]:
+def sample_view(result: RunResult) -> tuple[dict | None, str]:
     """The attention sample for the browser, checked, plus a note when it is unusable.
 
     The weights stay in their base64 form: report.js decodes them.
     """
-    sample = results.get("sample")
-    att = get(sample, "attention")
-    tokens = get(sample, "tokens")
-    if not isinstance(att, dict) or not isinstance(tokens, list):
+    sample = result.sample
+    if sample is None:
         return None, NOT_MEASURED
     try:
-        shape = decode_attention(att).shape  # (L, H, S, S)
+        shape = decode_attention(sample.attention).shape  # (L, H, S, S)
     except (ValueError, KeyError, TypeError) as err:
         return None, f"attention sample unreadable: {err}"
     if len(shape) != 4 or shape[2] != shape[3]:
         return None, f"attention sample has shape {list(shape)}; expected [L, H, S, S]"
-    if shape[2] != len(tokens):
+    if shape[2] != len(sample.tokens):
         return None, (f"attention sample covers {shape[2]} positions but the sample has "
-                      f"{len(tokens)} tokens; store the tokens the model saw")
-    return {"tokens": [str(t) for t in tokens], "text": get(sample, "text"),
-            "attention": {"shape": list(shape), "data": att["data"]}}, ""
+                      f"{len(sample.tokens)} tokens; store the tokens the model saw")
+    return {"tokens": sample.tokens, "text": sample.text,
+            "attention": {"shape": list(shape), "data": sample.attention["data"]}}, ""
 
 
-def run_curves(results: dict) -> dict:
-    """Method -> pruning curve: the compared ``curves``, else the run's own ``curve``."""
-    curves = results.get("curves")
-    if isinstance(curves, dict) and curves:
-        return curves
-    curve = results.get("curve")
-    return {str(results.get("method")): curve} if isinstance(curve, list) else {}
+def run_curves(result: RunResult) -> dict[str, list[dict]]:
+    """Method -> pruning curve (as dicts): the compared ``curves``, else the run's own."""
+    curves = result.curves or ({result.method: result.curve} if result.curve else {})
+    return {m: [p.to_json() for p in c] for m, c in curves.items()}
 
 
-def figures(results: dict, mask: list[list[bool]] | None) -> dict[str, Markup]:
+def figures(result: RunResult, mask: list[list[bool]] | None) -> dict[str, Markup]:
     """The three static SVG figures; an empty Markup where the data is missing."""
-    q = _dict(results.get("quality"))
-    curves = run_curves(results)
-    total, kept = _num(results.get("heads_total")), _num(results.get("heads_kept"))
-    run_fraction = 1 - kept / total if results.get("kept_heads") and total and kept is not None \
-        else None
+    q = result.quality
+    run_fraction = None
+    if not result.score_only and result.heads_total and result.heads_kept is not None:
+        run_fraction = 1 - result.heads_kept / result.heads_total
 
-    clusters = _dict(results.get("clusters"))
-    records = [r for r in results.get("statistics") or [] if isinstance(r, dict)]
-    heads = [(r.get("layer"), r.get("head")) for r in records]
-    heads += [("?", "?")] * (len(clusters.get("coords") or []) - len(heads))
-    pruned = {(layer, h) for layer, row in enumerate(mask or []) for h, p in enumerate(row) if p}
+    clusters = result.clusters
+    heads = [(r.get("layer"), r.get("head")) for r in result.statistics]
     scatter = Markup("")
-    if isinstance(clusters.get("coords"), list) and isinstance(clusters.get("labels"), list):
-        scatter = _figures.cluster_scatter(clusters["coords"], clusters["labels"],
-                                           _dict(clusters.get("names")), heads, pruned)
+    if clusters is not None:
+        heads += [("?", "?")] * (len(clusters.coords) - len(heads))
+        pruned = {(layer, h) for layer, row in enumerate(mask or [])
+                  for h, p in enumerate(row) if p}
+        scatter = _figures.cluster_scatter(clusters.coords, clusters.labels,
+                                           {str(k): v for k, v in clusters.names.items()},
+                                           heads, pruned)
     return {
-        "heatmap": _figures.importance_heatmap(results["importance"], mask),
-        "curve": _figures.curves_chart(curves, metric=q.get("metric") or "quality",
-                                       higher_is_better=q.get("higher_is_better"),
+        "heatmap": _figures.importance_heatmap(result.importance, mask),
+        "curve": _figures.curves_chart(run_curves(result), metric=q.metric or "quality",
+                                       higher_is_better=q.higher_is_better,
                                        run_fraction=run_fraction),
         "clusters": scatter,
     }

@@ -1,0 +1,295 @@
+"""`RunResult`: what a run decided and measured, the one type behind results.json.
+
+A run builds it (`headlab.runs`), the CLI prints its summary, the report renders it and
+`headlab.viz` builds a small one for a single text. ``to_json`` writes the results.json
+schema (see reports/README.md); ``from_json`` reads it back, including files written
+before the schema carried a version, and fills whatever is absent or malformed with None
+so that a partial file still renders. Only model, method, importance and heads_total
+are required.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Generic, TypeVar
+
+from headlab.analysis import HeadClusters
+from headlab.errors import UserError
+from headlab.schedule import CurvePoint
+
+# 2: this module's types; 1: results.json of the same keys, written before it had a version
+SCHEMA_VERSION = 2
+REQUIRED = ("model", "method", "importance", "heads_total")
+
+T = TypeVar("T")
+
+
+@dataclass
+class BeforeAfter(Generic[T]):
+    """One figure of the model as it came (``before``) and of the model you get."""
+
+    before: T | None = None
+    after: T | None = None
+
+
+@dataclass
+class QualityFigures(BeforeAfter[float]):
+    """Held-out quality before and after in the objective's metric, and the loss."""
+
+    metric: str | None = None
+    higher_is_better: bool | None = None
+    loss_before: float | None = None
+    loss_after: float | None = None
+
+
+@dataclass
+class Latency(BeforeAfter[float]):
+    """Median forward times (ms) of the unpruned and the pruned model on one input of
+    ``batch`` x ``seq_len`` tokens."""
+
+    batch: int | None = None
+    seq_len: int | None = None
+
+
+@dataclass
+class DataSummary:
+    """Where the tokens came from and how many scored and measured the model."""
+
+    spec: str | None = None
+    scoring_tokens: int | None = None
+    heldout_tokens: int | None = None
+    scoring_examples: int | None = None
+    heldout_examples: int | None = None
+    seq_len: int | None = None
+    warning: str | None = None
+
+
+@dataclass
+class Sample:
+    """One held-out text's attention on the unpruned model, for the report's views.
+
+    ``attention`` is the 8-bit encoding of `headlab.report.encode_attention` of an
+    (L, H0, S, S) array; ``tokens`` are the S tokens as a reader would write them."""
+
+    text: str | None
+    tokens: list[str]
+    attention: dict[str, Any]
+
+
+@dataclass
+class RunResult:
+    """Everything results.json holds. ``importance`` is layers x original heads (NaN:
+    not scored); ``kept_heads`` maps layer -> original head indices kept (None for a
+    score-only run); ``curve`` is the run's pruning curve, ``curves`` one per method
+    drawn (the run's own included)."""
+
+    model: str
+    method: str
+    importance: list[list[float]]
+    heads_total: int
+    family: str | None = None
+    kind: str | None = None
+    schedule: str | None = None
+    keep: float | None = None
+    data: DataSummary = field(default_factory=DataSummary)
+    heads_kept: int | None = None
+    kept_heads: dict[int, list[int]] | None = None
+    importance_normalisation: str | None = None
+    heads_per_layer: BeforeAfter[list[int]] = field(default_factory=BeforeAfter)
+    kv_heads_per_layer: BeforeAfter[list[int]] = field(default_factory=BeforeAfter)
+    quality: QualityFigures = field(default_factory=QualityFigures)
+    curve: list[CurvePoint] = field(default_factory=list)
+    curves: dict[str, list[CurvePoint]] = field(default_factory=dict)
+    params: BeforeAfter[int] = field(default_factory=BeforeAfter)
+    latency_ms: Latency | None = None
+    kv_cache_bytes_per_token: BeforeAfter[int] = field(default_factory=BeforeAfter)
+    export: str | None = None
+    sample: Sample | None = None
+    statistics: list[dict[str, Any]] = field(default_factory=list)
+    clusters: HeadClusters | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    created: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    status: str | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def score_only(self) -> bool:
+        """True for a run that scored heads and removed none."""
+        return self.kept_heads is None
+
+    def to_json(self) -> dict[str, Any]:
+        """The results.json dict: plain JSON values, NaN and inf as null."""
+        d = {
+            "schema_version": self.schema_version,
+            "model": self.model, "family": self.family, "kind": self.kind,
+            "method": self.method, "schedule": self.schedule, "keep": self.keep,
+            "data": asdict(self.data),
+            "heads_total": self.heads_total, "heads_kept": self.heads_kept,
+            "kept_heads": None if self.kept_heads is None
+            else {str(k): list(v) for k, v in self.kept_heads.items()},
+            "importance": self.importance,
+            "importance_normalisation": self.importance_normalisation,
+            "heads_per_layer": asdict(self.heads_per_layer),
+            "kv_heads_per_layer": asdict(self.kv_heads_per_layer),
+            "quality": asdict(self.quality),
+            "curve": [p.to_json() for p in self.curve],
+            "curves": {m: [p.to_json() for p in c] for m, c in self.curves.items()},
+            "params": asdict(self.params),
+            "latency_ms": None if self.latency_ms is None else asdict(self.latency_ms),
+            "kv_cache_bytes_per_token": asdict(self.kv_cache_bytes_per_token),
+            "export": self.export,
+            "sample": None if self.sample is None else asdict(self.sample),
+            "statistics": self.statistics,
+            "clusters": None if self.clusters is None else self.clusters.to_json(),
+            "config": self.config, "created": self.created, "versions": self.versions,
+            "files": self.files, "status": self.status,
+        }
+        return _json_safe(d)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RunResult:
+        """Read a results.json dict; absent, null or malformed optional parts become
+        None (or empty), so any results.json headlab ever wrote still renders."""
+        if not isinstance(d, dict):
+            raise UserError(f"results must be a JSON object, got {type(d).__name__}")
+        missing = [k for k in REQUIRED if d.get(k) is None]
+        if missing:
+            raise UserError(f"results lack {', '.join(missing)}; a report needs at least "
+                            f"{', '.join(REQUIRED)} (see reports/README.md)")
+        importance = d["importance"]
+        if not isinstance(importance, list) or not all(isinstance(r, list) for r in importance):
+            raise UserError("results['importance'] must be a list of per-layer lists of "
+                            f"floats (layers x heads); got {type(importance).__name__}")
+        data, quality = _section(d, "data"), _section(d, "quality")
+        latency = d.get("latency_ms")
+        return cls(
+            model=str(d["model"]), method=str(d["method"]),
+            importance=[[_float(v, math.nan) for v in row] for row in importance],
+            heads_total=int(d["heads_total"]),
+            family=_str(d.get("family")), kind=_str(d.get("kind")),
+            schedule=_str(d.get("schedule")), keep=_float(d.get("keep")),
+            data=DataSummary(
+                spec=_str(data.get("spec")), scoring_tokens=_int(data.get("scoring_tokens")),
+                heldout_tokens=_int(data.get("heldout_tokens")),
+                scoring_examples=_int(data.get("scoring_examples")),
+                heldout_examples=_int(data.get("heldout_examples")),
+                seq_len=_int(data.get("seq_len")), warning=_str(data.get("warning"))),
+            heads_kept=_int(d.get("heads_kept")),
+            kept_heads=_kept(d.get("kept_heads")),
+            importance_normalisation=_str(d.get("importance_normalisation")),
+            heads_per_layer=_counts(d.get("heads_per_layer")),
+            kv_heads_per_layer=_counts(d.get("kv_heads_per_layer")),
+            quality=QualityFigures(
+                metric=_str(quality.get("metric")),
+                higher_is_better=quality.get("higher_is_better")
+                if isinstance(quality.get("higher_is_better"), bool) else None,
+                before=_float(quality.get("before")), after=_float(quality.get("after")),
+                loss_before=_float(quality.get("loss_before")),
+                loss_after=_float(quality.get("loss_after"))),
+            curve=_curve(d.get("curve")),
+            curves={str(m): _curve(c) for m, c in _section(d, "curves").items()},
+            params=BeforeAfter(_int(_section(d, "params").get("before")),
+                               _int(_section(d, "params").get("after"))),
+            latency_ms=None if not isinstance(latency, dict) else Latency(
+                _float(latency.get("before")), _float(latency.get("after")),
+                _int(latency.get("batch")), _int(latency.get("seq_len"))),
+            kv_cache_bytes_per_token=BeforeAfter(
+                _int(_section(d, "kv_cache_bytes_per_token").get("before")),
+                _int(_section(d, "kv_cache_bytes_per_token").get("after"))),
+            export=_str(d.get("export")),
+            sample=_sample(d.get("sample")),
+            statistics=[r for r in d.get("statistics") or [] if isinstance(r, dict)]
+            if isinstance(d.get("statistics"), list) else [],
+            clusters=_clusters(d.get("clusters")),
+            config=_section(d, "config"), created=_str(d.get("created")),
+            versions={str(k): str(v) for k, v in _section(d, "versions").items()},
+            files={str(k): v for k, v in _section(d, "files").items() if isinstance(v, str)},
+            status=_str(d.get("status")),
+            schema_version=_int(d.get("schema_version")) or 1,
+        )
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _section(d: dict, key: str) -> dict:
+    """d[key] when it is a dict, else an empty one: a null or malformed part is absent."""
+    value = d.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _float(x: Any, default: float | None = None) -> float | None:
+    if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x):
+        return float(x)
+    return default
+
+
+def _int(x: Any) -> int | None:
+    return int(x) if isinstance(x, int | float) and not isinstance(x, bool) \
+        and math.isfinite(x) else None
+
+
+def _str(x: Any) -> str | None:
+    return None if x is None else str(x)
+
+
+def _kept(x: Any) -> dict[int, list[int]] | None:
+    """kept_heads: {layer: original indices}; JSON keys are strings."""
+    if not isinstance(x, dict):
+        return None
+    kept = {}
+    for layer, heads in x.items():
+        try:
+            kept[int(layer)] = [int(h) for h in heads] if isinstance(heads, list) else []
+        except (TypeError, ValueError):
+            continue
+    return kept
+
+
+def _counts(x: Any) -> BeforeAfter[list[int]]:
+    d = x if isinstance(x, dict) else {}
+
+    def side(v: Any) -> list[int] | None:
+        return [int(n) for n in v] if isinstance(v, list) and all(
+            isinstance(n, int) for n in v) else None
+
+    return BeforeAfter(side(d.get("before")), side(d.get("after")))
+
+
+def _curve(x: Any) -> list[CurvePoint]:
+    if not isinstance(x, list):
+        return []
+    points = []
+    for p in x:
+        if not isinstance(p, dict) or _float(p.get("fraction_pruned")) is None:
+            continue
+        points.append(CurvePoint(fraction_pruned=_float(p.get("fraction_pruned")),
+                                 quality=_float(p.get("quality")), loss=_float(p.get("loss")),
+                                 heads_kept=_int(p.get("heads_kept"))))
+    return points
+
+
+def _sample(x: Any) -> Sample | None:
+    if not isinstance(x, dict) or not isinstance(x.get("tokens"), list) \
+            or not isinstance(x.get("attention"), dict):
+        return None
+    return Sample(_str(x.get("text")), [str(t) for t in x["tokens"]], x["attention"])
+
+
+def _clusters(x: Any) -> HeadClusters | None:
+    if not isinstance(x, dict):
+        return None
+    try:
+        return HeadClusters.from_json(x)
+    except (KeyError, TypeError, ValueError):
+        return None
