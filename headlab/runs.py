@@ -153,6 +153,7 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     stage.checkpoint.clear()
     if main:
         set_status(out, "complete")
+    distributed.barrier()  # no rank leaves (and tears down the group) while rank 0 writes
     return out, result
 
 
