@@ -6,7 +6,9 @@
     scores = headlab.score(model, blocks, method="michel")
     total = model.n_layers * model.n_original_heads
     plan = headlab.select(scores, headlab.heads_to_keep(total, keep=0.6))
+    reference = headlab.pruning.copy_model(model)
     headlab.prune(model, plan)
+    headlab.recover(model, reference, blocks, method="lsq")
     headlab.evaluate(model, heldout)
 """
 
@@ -19,6 +21,7 @@ from headlab.importance import HeadScores, score  # noqa: E402
 from headlab.models import HeadModel, load  # noqa: E402
 from headlab.objectives import prepare  # noqa: E402
 from headlab.pruning import prune  # noqa: E402
+from headlab.recovery import RecoveryReport, recover  # noqa: E402
 from headlab.results import RunResult  # noqa: E402
 from headlab.schedule import prune_to_target  # noqa: E402
 from headlab.selection import PrunePlan, heads_to_keep, select  # noqa: E402
@@ -29,6 +32,7 @@ __all__ = [
     "HeadModel",
     "HeadScores",
     "PrunePlan",
+    "RecoveryReport",
     "RunResult",
     "Quality",
     "__version__",
@@ -42,6 +46,7 @@ __all__ = [
     "prepare",
     "prune",
     "prune_to_target",
+    "recover",
     "score",
     "select",
     "split_blocks",

@@ -333,6 +333,19 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"gates must have shape ({self.n_heads},), got {tuple(values.shape)}")
         self.head_gate.copy_(values)
 
+    # ------------------------------------------------------------------ output bias
+    def ensure_out_bias(self) -> nn.Parameter:
+        """Give W_O a bias if it has none, zero-initialised (the output is unchanged),
+        and return it: recovery folds the removed heads' mean contribution into it.
+        A saved model records which layers have one (`HeadModel.save`)."""
+        if self.o_proj.bias is None:
+            w = self.o_proj.weight
+            self.o_proj.bias = nn.Parameter(
+                torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
+                requires_grad=w.requires_grad,
+            )
+        return self.o_proj.bias
+
     # ------------------------------------------------------------------ pruning
     def prune_heads(self, heads: Iterable[int]) -> None:
         """Physically remove query heads, given by their ORIGINAL indices.

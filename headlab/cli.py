@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from headlab.config import DEVICES, DTYPES, METHODS, SCHEDULES, RunConfig
+from headlab import cli_options as opt
+from headlab.config import RunConfig
 
 if TYPE_CHECKING:
     from headlab.results import RunResult
@@ -29,16 +29,6 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 log = logging.getLogger("headlab")
-
-
-# choices and defaults come from headlab.config, where a run's keys are defined once
-Method = StrEnum("Method", [(m, m) for m in METHODS])
-Schedule = StrEnum("Schedule", [(m, m) for m in SCHEDULES])
-Device = StrEnum("Device", [(m, m) for m in DEVICES])
-DType = StrEnum("DType", [(m, m) for m in DTYPES])
-D = RunConfig.defaults()
-DEFAULT_METHOD, DEFAULT_SCHEDULE = Method(D["method"]), Schedule(D["schedule"])
-DEFAULT_DEVICE, DEFAULT_DTYPE = Device(D["device"]), DType(D["dtype"])
 
 
 def _setup(quiet: bool, json_mode: bool) -> None:
@@ -105,48 +95,14 @@ def _guard(fn, *args, **kwargs):
         raise typer.Exit(130) from None
 
 
-# ---------------------------------------------------------------- shared options
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Bundled name (smollm2-135m, "
-                                       "minilm-l6), local directory, .gguf file or hub id.")]
-RunModelOpt = Annotated[str | None, typer.Option(
-    "--model", "-m", help="Bundled name (smollm2-135m, minilm-l6), local directory, .gguf "
-    "file or hub id (not needed with --resume).")]
-ResumeOpt = Annotated[Path | None, typer.Option(
-    help="Continue an interrupted run directory with its own configuration.")]
-DataOpt = Annotated[str | None, typer.Option(
-    help="Dataset (name:config:split), .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
-MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
-OutOpt = Annotated[Path | None, typer.Option(
-    help="Run directory (default reports/<model>-<method>-keep<k>-<time>/).")]
-TextColumnOpt = Annotated[str | None, typer.Option(help="Text column of the data.")]
-LabelColumnOpt = Annotated[str | None, typer.Option(help="Label column (classifiers).")]
-MaxTokensOpt = Annotated[int, typer.Option(help="Token budget for scoring + held-out.")]
-SeqLenOpt = Annotated[int | None, typer.Option(
-    help="Block length (default: the objective's, 256 for language models, 128 else, "
-         "capped by the model's positions).")]
-BatchSizeOpt = Annotated[int, typer.Option(help="Blocks per batch.")]
-SeedOpt = Annotated[int, typer.Option(
-    help="Seed of the scoring/held-out split, the masking and random scores.")]
-DeviceOpt = Annotated[Device, typer.Option(help="auto picks CUDA when present.")]
-DTypeOpt = Annotated[DType, typer.Option(help="Model dtype.")]
-OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing run directory.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary.")]
-NormalizeOpt = Annotated[bool | None, typer.Option(
-    "--normalize/--no-normalize", show_default=False,
-    help="Divide each layer's scores by their l2 norm (Michel et al.); default: on, but off "
-         "for taylor, ablation and random.")]
-MinmaxOpt = Annotated[bool, typer.Option(
-    help="Rescale all scores to [0, 1] (as the bertology script did).")]
-PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
-ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
-
 
 def _summary(result: RunResult, out: Path) -> dict:
     q, lat = result.quality, result.latency_ms
     return {
         "run_dir": str(out), "model": result.model, "method": result.method,
         "metric": q.metric, "quality_before": q.before, "quality_after": q.after,
+        "quality_pruned": q.pruned,
+        "recovery": result.recovery.method if result.recovery else None,
         "heads_total": result.heads_total, "heads_kept": result.heads_kept,
         "params_before": result.params.before, "params_after": result.params.after,
         "latency_ms_before": lat.before if lat else None,
@@ -181,6 +137,8 @@ def _print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
     t.add_column("after", justify="right")
     t.add_row(f"held-out {summary['metric']}", fmt(summary["quality_before"]),
               fmt(summary["quality_after"]))
+    if summary["recovery"]:
+        t.add_row(f"  pruned, before {summary['recovery']}", "", fmt(summary["quality_pruned"]))
     t.add_row("heads", fmt(summary["heads_total"]), fmt(summary["heads_kept"]))
     t.add_row("parameters", fmt(summary["params_before"]), fmt(summary["params_after"]))
     t.add_row("latency (ms)", fmt(summary["latency_ms_before"]), fmt(summary["latency_ms_after"]))
@@ -194,7 +152,6 @@ def _print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
 
 def _execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = None) -> None:
     from headlab import distributed
-    from headlab.config import RunConfig
     from headlab.errors import UserError
     from headlab.runs import run
 
@@ -209,45 +166,61 @@ def _execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = N
 # ---------------------------------------------------------------- commands
 @app.command()
 def prune(
-    model: RunModelOpt = None,
+    model: opt.RunModelOpt = None,
     keep: Annotated[float | None, typer.Option(help="Fraction of heads to keep, in (0, 1].")]
     = None,
     prune_n: Annotated[int | None, typer.Option("--prune", help="Number of heads to remove.")]
     = None,
-    method: MethodOpt = DEFAULT_METHOD,
-    schedule: Annotated[Schedule, typer.Option(help="Re-score after each step, or once.")]
-    = DEFAULT_SCHEDULE,
+    method: opt.MethodOpt = opt.DEFAULT_METHOD,
+    schedule: Annotated[opt.Schedule, typer.Option(help="Re-score after each step, or once.")]
+    = opt.DEFAULT_SCHEDULE,
     step: Annotated[float, typer.Option(help="Fraction of the heads removed per step.")]
-    = D["step"],
+    = opt.D["step"],
     per_layer: Annotated[bool, typer.Option(help="Keep the same number in every layer.")]
     = False,
     min_heads_per_layer: Annotated[int, typer.Option(help="Protect each layer's best heads.")]
-    = D["min_heads_per_layer"],
-    data: DataOpt = None,
-    text_column: TextColumnOpt = None,
-    label_column: LabelColumnOpt = None,
-    max_tokens: MaxTokensOpt = D["max_tokens"],
-    seq_len: SeqLenOpt = None,
-    batch_size: BatchSizeOpt = D["batch_size"],
-    seed: SeedOpt = D["seed"],
-    device: DeviceOpt = DEFAULT_DEVICE,
-    dtype: DTypeOpt = DEFAULT_DTYPE,
-    out: OutOpt = None,
-    overwrite: OverwriteOpt = False,
+    = opt.D["min_heads_per_layer"],
+    data: opt.DataOpt = None,
+    text_column: opt.TextColumnOpt = None,
+    label_column: opt.LabelColumnOpt = None,
+    max_tokens: opt.MaxTokensOpt = opt.D["max_tokens"],
+    seq_len: opt.SeqLenOpt = None,
+    batch_size: opt.BatchSizeOpt = opt.D["batch_size"],
+    seed: opt.SeedOpt = opt.D["seed"],
+    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
+    dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    out: opt.OutOpt = None,
+    overwrite: opt.OverwriteOpt = False,
     export: Annotated[str | None, typer.Option(
         help="'hf': also write a directory plain transformers loads, where expressible.")]
     = None,
-    compare: Annotated[list[Method] | None, typer.Option(
+    compare: Annotated[list[opt.Method] | None, typer.Option(
         help="More methods to draw a curve for (repeat the option).")] = None,
-    normalize: NormalizeOpt = None,
-    global_minmax: MinmaxOpt = False,
-    per_token: PerTokenOpt = False,
-    probes: ProbesOpt = D["probes"],
-    quiet: QuietOpt = False,
-    json_mode: JsonOpt = False,
-    resume: ResumeOpt = None,
+    normalize: opt.NormalizeOpt = None,
+    global_minmax: opt.MinmaxOpt = False,
+    per_token: opt.PerTokenOpt = False,
+    probes: opt.ProbesOpt = opt.D["probes"],
+    recover: Annotated[opt.Recovery, typer.Option(
+        help="Repair after pruning, on the scoring split: lsq refits each layer's output "
+             "projection, bias folds the removed heads' mean in, rescale scales each kept "
+             "head, distill trains briefly toward the unpruned model (after lsq); none "
+             "compares with Michel et al.")] = opt.DEFAULT_RECOVERY,
+    recover_ridge: Annotated[float | None, typer.Option(
+        help="lsq/rescale: ridge toward the current weights, times mean(diag X^T X).")]
+    = None,
+    recover_tokens: Annotated[int | None, typer.Option(
+        help="distill: token budget (default one pass over the scoring split).")] = None,
+    recover_params: Annotated[opt.RecoverParams, typer.Option(
+        help="distill: what trains (lora needs peft).")] = opt.DEFAULT_RECOVER_PARAMS,
+    recover_lr: Annotated[float, typer.Option(help="distill: AdamW learning rate.")]
+    = opt.D["recover_lr"],
+    recover_temperature: Annotated[float, typer.Option(help="distill: KL temperature.")]
+    = opt.D["recover_temperature"],
+    quiet: opt.QuietOpt = False,
+    json_mode: opt.JsonOpt = False,
+    resume: opt.ResumeOpt = None,
 ) -> None:
-    """Score every head, remove the least important, measure quality and speed.
+    """Score every head, remove the least important, repair, measure quality and speed.
 
     Example: headlab prune --model smollm2-135m --keep 0.6
     """
@@ -261,32 +234,35 @@ def prune(
         out=str(out) if out else None, overwrite=overwrite, export=export,
         compare=[m.value for m in compare or []], normalize=normalize,
         global_minmax=global_minmax, per_token=per_token, probes=probes,
+        recover=recover.value, recover_ridge=recover_ridge, recover_tokens=recover_tokens,
+        recover_params=recover_params.value, recover_lr=recover_lr,
+        recover_temperature=recover_temperature,
     )
     _guard(_execute, config, quiet, json_mode, resume)
 
 
 @app.command()
 def score(
-    model: RunModelOpt = None,
-    method: MethodOpt = DEFAULT_METHOD,
-    data: DataOpt = None,
-    text_column: TextColumnOpt = None,
-    label_column: LabelColumnOpt = None,
-    max_tokens: MaxTokensOpt = D["max_tokens"],
-    seq_len: SeqLenOpt = None,
-    batch_size: BatchSizeOpt = D["batch_size"],
-    seed: SeedOpt = D["seed"],
-    normalize: NormalizeOpt = None,
-    global_minmax: MinmaxOpt = False,
-    per_token: PerTokenOpt = False,
-    probes: ProbesOpt = D["probes"],
-    device: DeviceOpt = DEFAULT_DEVICE,
-    dtype: DTypeOpt = DEFAULT_DTYPE,
-    out: OutOpt = None,
-    overwrite: OverwriteOpt = False,
-    quiet: QuietOpt = False,
-    json_mode: JsonOpt = False,
-    resume: ResumeOpt = None,
+    model: opt.RunModelOpt = None,
+    method: opt.MethodOpt = opt.DEFAULT_METHOD,
+    data: opt.DataOpt = None,
+    text_column: opt.TextColumnOpt = None,
+    label_column: opt.LabelColumnOpt = None,
+    max_tokens: opt.MaxTokensOpt = opt.D["max_tokens"],
+    seq_len: opt.SeqLenOpt = None,
+    batch_size: opt.BatchSizeOpt = opt.D["batch_size"],
+    seed: opt.SeedOpt = opt.D["seed"],
+    normalize: opt.NormalizeOpt = None,
+    global_minmax: opt.MinmaxOpt = False,
+    per_token: opt.PerTokenOpt = False,
+    probes: opt.ProbesOpt = opt.D["probes"],
+    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
+    dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    out: opt.OutOpt = None,
+    overwrite: opt.OverwriteOpt = False,
+    quiet: opt.QuietOpt = False,
+    json_mode: opt.JsonOpt = False,
+    resume: opt.ResumeOpt = None,
 ) -> None:
     """Score head importance only (results.json, importance.csv, report.html).
 
@@ -304,20 +280,20 @@ def score(
 
 @app.command(name="eval")
 def eval_(
-    model: ModelOpt,
-    data: DataOpt = None,
-    text_column: TextColumnOpt = None,
-    label_column: LabelColumnOpt = None,
-    max_tokens: MaxTokensOpt = D["max_tokens"],
-    seq_len: SeqLenOpt = None,
-    batch_size: BatchSizeOpt = D["batch_size"],
-    seed: SeedOpt = D["seed"],
+    model: opt.ModelOpt,
+    data: opt.DataOpt = None,
+    text_column: opt.TextColumnOpt = None,
+    label_column: opt.LabelColumnOpt = None,
+    max_tokens: opt.MaxTokensOpt = opt.D["max_tokens"],
+    seq_len: opt.SeqLenOpt = None,
+    batch_size: opt.BatchSizeOpt = opt.D["batch_size"],
+    seed: opt.SeedOpt = opt.D["seed"],
     reference: Annotated[str | None, typer.Option(
         help="Unpruned model that embedding fidelity is measured against.")] = None,
-    device: DeviceOpt = DEFAULT_DEVICE,
-    dtype: DTypeOpt = DEFAULT_DTYPE,
-    json_mode: JsonOpt = False,
-    quiet: QuietOpt = False,
+    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
+    dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    json_mode: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
 ) -> None:
     """Measure a model's (or pruned run directory's) quality on the held-out split.
 
@@ -362,7 +338,7 @@ def inspect(
     html: Annotated[Path | None, typer.Option(help="Write an interactive HTML view here.")]
     = None,
     top: Annotated[int, typer.Option(help="Rows of the table (most confident heads).")] = 20,
-    device: DeviceOpt = DEFAULT_DEVICE,
+    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
 ) -> None:
     """Per-head statistics for one text, and an optional HTML attention view.
 
@@ -412,7 +388,7 @@ def bench(
     which: Annotated[str, typer.Argument(
         help="attention|models|hooks|importance|pruning|generate|quality|all")] = "all",
     quick: Annotated[bool, typer.Option(help="Small sizes, about 2 minutes.")] = False,
-    device: Annotated[Device, typer.Option()] = Device.cpu,
+    device: Annotated[opt.Device, typer.Option()] = opt.Device.cpu,
     out: Annotated[Path, typer.Option(help="Where the JSON files go.")] = Path("reports/bench"),
 ) -> None:
     """Speed and memory figures, each as a ratio to its reference measured in the same run."""
@@ -430,8 +406,8 @@ def bench(
 def run_recipe(
     recipe: Annotated[Path, typer.Argument(help="A TOML recipe (see recipes/).")],
     overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides.")] = None,
-    quiet: QuietOpt = False,
-    json_mode: JsonOpt = False,
+    quiet: opt.QuietOpt = False,
+    json_mode: opt.JsonOpt = False,
 ) -> None:
     """Run a recipe: headlab run recipes/smollm2-offline.toml keep=0.5"""
     _setup(quiet, json_mode)

@@ -18,6 +18,8 @@ import torch
 from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS
 from headlab.objectives import DEFAULT_BATCH_SIZE
+from headlab.recovery import RECOVERY_METHODS
+from headlab.recovery.distill import PARAMS as RECOVER_PARAMS
 
 SCHEDULES = ("iterative", "one-shot")
 DEVICES = ("auto", "cpu", "cuda")
@@ -56,6 +58,13 @@ class RunConfig:
     out: str | None = None
     overwrite: bool = False
     export: str | None = None
+    # what repairs the pruned model; the default is measured (README, "Prune and repair")
+    recover: str = "lsq"
+    recover_ridge: float | None = None  # lsq, rescale: None is the measured default
+    recover_tokens: int | None = None  # distill: token budget; None is one pass
+    recover_params: str = "out"  # distill: what trains
+    recover_lr: float = 1e-4  # distill
+    recover_temperature: float = 1.0  # distill
     sample_tokens: int = 64
     checkpoint_every: int = 10
     latency_batch: int = 4
@@ -127,6 +136,20 @@ class RunConfig:
                             "use --device cpu (or auto)")
         if self.export not in (None, "hf"):
             raise UserError(f"--export must be 'hf', got {self.export!r}")
+        if self.recover not in RECOVERY_METHODS:
+            raise UserError(f"--recover must be one of {', '.join(RECOVERY_METHODS)}, "
+                            f"got {self.recover!r}")
+        if self.recover_params not in RECOVER_PARAMS:
+            raise UserError(f"--recover-params must be one of {', '.join(RECOVER_PARAMS)}, "
+                            f"got {self.recover_params!r}")
+        if self.recover_tokens is not None and self.recover_tokens < 1:
+            raise UserError(f"--recover-tokens must be at least 1 token, got "
+                            f"{self.recover_tokens}")
+        if self.recover_ridge is not None and self.recover_ridge < 0:
+            raise UserError(f"--recover-ridge must be >= 0, got {self.recover_ridge}")
+        if not self.recover_lr > 0 or not self.recover_temperature > 0:
+            raise UserError("--recover-lr and --recover-temperature must be > 0, got "
+                            f"{self.recover_lr} and {self.recover_temperature}")
         if not 0 < self.heldout < 1:
             raise UserError(f"heldout must be in (0, 1), got {self.heldout}")
         return self

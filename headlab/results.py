@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from headlab.analysis import HeadClusters
 from headlab.errors import UserError
+from headlab.recovery import RecoveryReport
 from headlab.schedule import CurvePoint
 
 # 2: this module's types; 1: results.json of the same keys, written before it had a version
@@ -35,12 +36,16 @@ class BeforeAfter(Generic[T]):
 
 @dataclass
 class QualityFigures(BeforeAfter[float]):
-    """Held-out quality before and after in the objective's metric, and the loss."""
+    """Held-out quality in the objective's metric, and the loss: ``before`` the model
+    as it came, ``after`` the model you get, ``pruned`` after pruning and before
+    recovery (None when no recovery ran: then ``after`` is the pruned model)."""
 
     metric: str | None = None
     higher_is_better: bool | None = None
     loss_before: float | None = None
     loss_after: float | None = None
+    pruned: float | None = None
+    loss_pruned: float | None = None
 
 
 @dataclass
@@ -105,6 +110,7 @@ class RunResult:
     latency_ms: Latency | None = None
     kv_cache_bytes_per_token: BeforeAfter[int] = field(default_factory=BeforeAfter)
     export: str | None = None
+    recovery: RecoveryReport | None = None
     sample: Sample | None = None
     statistics: list[dict[str, Any]] = field(default_factory=list)
     clusters: HeadClusters | None = None
@@ -141,6 +147,7 @@ class RunResult:
             "latency_ms": None if self.latency_ms is None else asdict(self.latency_ms),
             "kv_cache_bytes_per_token": asdict(self.kv_cache_bytes_per_token),
             "export": self.export,
+            "recovery": None if self.recovery is None else self.recovery.to_json(),
             "sample": None if self.sample is None else asdict(self.sample),
             "statistics": self.statistics,
             "clusters": None if self.clusters is None else self.clusters.to_json(),
@@ -188,7 +195,9 @@ class RunResult:
                 if isinstance(quality.get("higher_is_better"), bool) else None,
                 before=_float(quality.get("before")), after=_float(quality.get("after")),
                 loss_before=_float(quality.get("loss_before")),
-                loss_after=_float(quality.get("loss_after"))),
+                loss_after=_float(quality.get("loss_after")),
+                pruned=_float(quality.get("pruned")),
+                loss_pruned=_float(quality.get("loss_pruned"))),
             curve=_curve(d.get("curve")),
             curves={str(m): _curve(c) for m, c in _section(d, "curves").items()},
             params=BeforeAfter(_int(_section(d, "params").get("before")),
@@ -200,6 +209,7 @@ class RunResult:
                 _int(_section(d, "kv_cache_bytes_per_token").get("before")),
                 _int(_section(d, "kv_cache_bytes_per_token").get("after"))),
             export=_str(d.get("export")),
+            recovery=_recovery(d.get("recovery")),
             sample=_sample(d.get("sample")),
             statistics=[r for r in d.get("statistics") or [] if isinstance(r, dict)]
             if isinstance(d.get("statistics"), list) else [],
@@ -284,6 +294,15 @@ def _sample(x: Any) -> Sample | None:
             or not isinstance(x.get("attention"), dict):
         return None
     return Sample(_str(x.get("text")), [str(t) for t in x["tokens"]], x["attention"])
+
+
+def _recovery(x: Any) -> RecoveryReport | None:
+    if not isinstance(x, dict):
+        return None
+    try:
+        return RecoveryReport.from_json(x)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _clusters(x: Any) -> HeadClusters | None:

@@ -32,6 +32,7 @@ from headlab.models.loading import load
 from headlab.objectives import objective_for
 from headlab.overview import overview
 from headlab.pruning import copy_model, prune
+from headlab.recovery import recover
 from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
 from headlab.schedule import prune_to_target
 from headlab.selection import heads_to_keep
@@ -253,8 +254,18 @@ class _Stage:
             latency = Latency(t_before, t_after, batch=cfg.latency_batch, seq_len=lat_s)
             del pruned
         result_overview = self._overview() if main else None
+        reference = copy_model(model) if cfg.recover != "none" else None
         prune(model, res.plan)
-        q_after = evaluate(model, self.heldout, batch_size=cfg.batch_size)
+        q_after = q_pruned = evaluate(model, self.heldout, batch_size=cfg.batch_size)
+        recovery = None
+        if reference is not None:
+            log.info("repairing the pruned model with %s", cfg.recover)
+            recovery = recover(model, reference, self.scoring, method=cfg.recover,
+                               batch_size=cfg.batch_size, **self._recover_options())
+            del reference
+            q_after = evaluate(model, self.heldout, batch_size=cfg.batch_size)
+            log.info("  %s: %.4g pruned, %.4g repaired", q_after.metric, q_pruned.value,
+                     q_after.value)
         after = _Shape.of(model)
         if main:
             model.save(self.out / "model")
@@ -276,7 +287,10 @@ class _Stage:
             quality=QualityFigures(
                 q_before.quality, q_after.value, metric=q_after.metric,
                 higher_is_better=q_after.higher_is_better, loss_before=q_before.loss,
-                loss_after=q_after.loss),
+                loss_after=q_after.loss,
+                pruned=q_pruned.value if recovery is not None else None,
+                loss_pruned=q_pruned.loss if recovery is not None else None),
+            recovery=recovery,
             curve=res.curve, curves=curves, params=BeforeAfter(before.params, after.params),
             latency_ms=latency,
             kv_cache_bytes_per_token=BeforeAfter(before.kv_bytes, after.kv_bytes),
@@ -294,6 +308,20 @@ class _Stage:
             min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
             seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
             checkpoint=self.checkpoint, on_step=on_step)
+
+    def _recover_options(self) -> dict[str, Any]:
+        """The options the run's recovery method takes: the ridge for the least-squares
+        fits (and distill's lsq start), the training settings for distill, which is
+        checkpointed with the run."""
+        cfg = self.cfg
+        options: dict[str, Any] = {}
+        if cfg.recover in ("lsq", "rescale", "distill") and cfg.recover_ridge is not None:
+            options["ridge"] = cfg.recover_ridge
+        if cfg.recover == "distill":
+            options.update(tokens=cfg.recover_tokens, params=cfg.recover_params,
+                           lr=cfg.recover_lr, temperature=cfg.recover_temperature,
+                           seed=cfg.seed, checkpoint=self.checkpoint)
+        return options
 
     def _overview(self):
         """The unpruned model's sample, statistics and clusters, for the report."""

@@ -245,3 +245,28 @@ def test_offline_recipes_run_end_to_end(tmp_path):
         results = json.loads((out / "results.json").read_text())
         assert summary["heads_kept"] == results["heads_kept"]
         assert results["heads_kept"] == pytest.approx(0.6 * results["heads_total"], abs=1)
+
+
+@pytest.mark.parametrize("method", ["lsq", "none"])
+def test_prune_and_repair_then_eval_gives_the_stated_quality(tiny_gpt2_dir, tmp_path, method):
+    """prune --recover: results.json holds before / pruned / after and the per-layer
+    errors (never worse after the fit); the saved model evaluates to the stated figure."""
+    out = tmp_path / "r"
+    r = headlab("prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--max-tokens", "2048",
+                "--seq-len", "64", "--recover", method, "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    results = json.loads((out / "results.json").read_text())
+    q = results["quality"]
+    if method == "none":
+        assert results["recovery"] is None and q["pruned"] is None
+    else:
+        rec = results["recovery"]
+        assert rec["method"] == "lsq" and rec["tokens"] == results["data"]["scoring_tokens"]
+        assert len(rec["layers"]) == 3
+        assert all(e["error_after"] <= e["error_before"] for e in rec["layers"])
+        assert q["after"] < q["pruned"]  # perplexity: the repair gave some back
+        assert "Recovery" in (out / "report.html").read_text()
+    ev = headlab("eval", "--model", str(out / "model"), "--max-tokens", "2048", "--seq-len", "64",
+                 "--json")
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout)["value"] == pytest.approx(q["after"], rel=1e-5)

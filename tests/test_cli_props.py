@@ -81,7 +81,9 @@ _BAD = {
     "data": 3, "max_tokens": 0, "seq_len": 2, "batch_size": 0, "heldout": 1.0, "seed": "x",
     "normalize": "on", "probes": 0, "device": "tpu", "dtype": "float8", "out": 5,
     "export": "onnx", "sample_tokens": 1, "checkpoint_every": 0, "latency_batch": 0,
-    "latency_seq_len": 0, "model": "",
+    "latency_seq_len": 0, "model": "", "recover": "magic", "recover_ridge": -1.0,
+    "recover_tokens": 0, "recover_params": "everything", "recover_lr": 0.0,
+    "recover_temperature": -1.0,
 }
 
 

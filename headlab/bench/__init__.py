@@ -186,8 +186,9 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
     table = markdown_table(results)
     footer = (f"\n{preset} preset on {device}, {time.perf_counter() - t_all:.0f} s; "
               f"{machine['cpu']}, {cores()} cores, {machine['torch_threads']} torch threads; "
-              f"1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run "
-              f"(above the core count, other processes shared the cores)\n")
+              f"1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run"
+              + (" (above the core count: other processes shared the cores)"
+                 if max(loads) > cores() else "") + "\n")
     atomic_write_text(out / "summary.md",
                       f"# headlab bench {which}\n\n{context['date']}\n\n{table}{footer}")
     sys.stdout.write(table + footer)

@@ -36,6 +36,17 @@ class ModelOutput:
     embeddings: torch.Tensor | None = None
 
 
+@dataclass
+class BlockInputs:
+    """The first block's input and the blocks as the forward calls them (its mask and
+    rotary positions bound): ``block(i, x)`` and ``attention(i, x)``, block i's
+    attention sublayer alone (its norm and attention, no residual), on x (B, S, E)."""
+
+    hidden: torch.Tensor  # (B, S, E)
+    block: Callable[[int, torch.Tensor], torch.Tensor]  # (B, S, E) -> (B, S, E)
+    attention: Callable[[int, torch.Tensor], torch.Tensor]  # (B, S, E) -> (B, S, E)
+
+
 class Cache:
     """Per-layer key/value caches for incremental decoding."""
 
@@ -173,6 +184,12 @@ class HeadModel(nn.Module):
             self.attentions[int(layer)].prune_heads(ids)
 
     # ---------------------------------------------------------------- forward helpers
+    def block_inputs(self, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> BlockInputs:
+        """What ``forward`` hands its blocks for ``input_ids`` (B, S) (no cache), so the
+        blocks can be run one at a time, as layer-wise recovery does."""
+        raise NotImplementedError(f"{self.family} does not expose its blocks one by one")
+
     def new_cache(self) -> Cache:
         return Cache(self.n_layers)
 
@@ -194,6 +211,8 @@ class HeadModel(nn.Module):
             "config": self.config.to_dict(),
             "extra": self.extra_config(),
             "layout": self.layout(),
+            # which layers' W_O has a bias: recovery may give one to a family without
+            "out_bias": [a.o_proj.bias is not None for a in self.attentions],
         }
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         state = _untie(state)

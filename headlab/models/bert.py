@@ -29,6 +29,7 @@ from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
 from headlab.models.base import (
+    BlockInputs,
     FamilyConfig,
     HeadModel,
     ModelOutput,
@@ -230,6 +231,25 @@ class Bert(HeadModel):
                 "BERT is a bidirectional encoder and keeps no key/value cache: "
                 "call it on the whole sequence with cache=None"
             )
+        x, mask = self._embed(input_ids, attention_mask, token_type_ids, position_ids)
+        for block in self.blocks:
+            x = block(x, mask)
+
+        if self.head == "mlm":
+            return ModelOutput(last_hidden_state=x, logits=self.mlm(x, self.wte.weight))
+        if self.head == "classifier":
+            pooled = torch.tanh(self.pooler(x[:, 0]))  # (B, E)
+            return ModelOutput(last_hidden_state=x, logits=self.classifier(pooled))
+        return ModelOutput(last_hidden_state=x, embeddings=self.embed(x, attention_mask))
+
+    def block_inputs(self, input_ids, attention_mask=None) -> BlockInputs:
+        x, mask = self._embed(input_ids, attention_mask, None, None)
+        blocks = self.blocks
+        return BlockInputs(x, block=lambda i, h: blocks[i](h, mask),
+                           attention=lambda i, h: blocks[i].attn(h, mask=mask))
+
+    def _embed(self, input_ids, attention_mask, token_type_ids, position_ids):
+        """The first block's input (B, S, E) and the mask every block shares."""
         B, S = input_ids.shape
         if self.max_positions < S:
             raise ValueError(
@@ -251,15 +271,7 @@ class Bert(HeadModel):
             batch=B, q_len=S, k_len=S, device=x.device, causal=self.causal,
             key_padding_mask=padding,
         )
-        for block in self.blocks:
-            x = block(x, mask)
-
-        if self.head == "mlm":
-            return ModelOutput(last_hidden_state=x, logits=self.mlm(x, self.wte.weight))
-        if self.head == "classifier":
-            pooled = torch.tanh(self.pooler(x[:, 0]))  # (B, E)
-            return ModelOutput(last_hidden_state=x, logits=self.classifier(pooled))
-        return ModelOutput(last_hidden_state=x, embeddings=self.embed(x, attention_mask))
+        return x, mask
 
     def embed(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Pool hidden states (B, S, E) over real tokens to (B, E), as

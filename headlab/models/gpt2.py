@@ -17,6 +17,7 @@ from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
 from headlab.models.base import (
+    BlockInputs,
     DecoderLM,
     FamilyConfig,
     WeightMap,
@@ -129,6 +130,22 @@ class GPT2(DecoderLM):
         return self.config.n_positions
 
     def decode(self, input_ids, attention_mask, position_ids, past, cache):
+        x, mask = self._embed(input_ids, attention_mask, position_ids, past)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask, cache.layers[i] if cache is not None else None)
+        return self.ln_f(x)
+
+    def block_inputs(self, input_ids, attention_mask=None) -> BlockInputs:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x, mask = self._embed(input_ids, attention_mask, positions, 0)
+        blocks = self.blocks
+        return BlockInputs(
+            x, block=lambda i, h: blocks[i](h, mask),
+            attention=lambda i, h: blocks[i].attn(blocks[i].ln_1(h), mask=mask),
+        )
+
+    def _embed(self, input_ids, attention_mask, position_ids, past) -> tuple[torch.Tensor, Mask]:
+        """The first block's input (B, S, E) and the mask every block shares."""
         B, S = input_ids.shape
         if past + S > self.config.n_positions:
             raise ValueError(
@@ -140,9 +157,7 @@ class GPT2(DecoderLM):
             batch=B, q_len=S, k_len=past + S, device=x.device, causal=self.causal,
             key_padding_mask=attention_mask,
         )
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask, cache.layers[i] if cache is not None else None)
-        return self.ln_f(x)
+        return x, mask
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:

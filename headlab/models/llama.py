@@ -9,7 +9,7 @@ submodules, so the weight mapping is a plain renaming of ``model.layers.{i}``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
 from headlab.models.base import (
+    BlockInputs,
     DecoderLM,
     FamilyConfig,
     WeightMap,
@@ -269,6 +270,24 @@ class Llama(DecoderLM):
         return self.config.max_position_embeddings
 
     def decode(self, input_ids, attention_mask, position_ids, past, cache):
+        x, mask, rotary = self._embed(input_ids, attention_mask, position_ids, past)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask, rotary, cache.layers[i] if cache is not None else None)
+        return self.norm(x)
+
+    def block_inputs(self, input_ids, attention_mask=None) -> BlockInputs:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x, mask, rotary = self._embed(input_ids, attention_mask, positions, 0)
+        blocks = self.blocks
+        return BlockInputs(
+            x, block=lambda i, h: blocks[i](h, mask, rotary),
+            attention=lambda i, h: blocks[i].attn(blocks[i].input_layernorm(h), mask=mask,
+                                                  rotary=rotary),
+        )
+
+    def _embed(self, input_ids, attention_mask, position_ids, past):
+        """The first block's input (B, S, E), the mask and the rotary (cos, sin) that
+        every block shares."""
         B, S = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, S, E)
         rotary = self.rotary(position_ids, x.dtype)  # cos, sin: (B|1, S, D)
@@ -280,9 +299,7 @@ class Llama(DecoderLM):
             batch=B, q_len=S, k_len=past + S, device=x.device, causal=self.causal,
             key_padding_mask=attention_mask, window=window,
         )
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask, rotary, cache.layers[i] if cache is not None else None)
-        return self.norm(x)
+        return x, mask, rotary
 
     # ---------------------------------------------------------------- HF export
     hf_export_unsupported = None  # whole, equal GQA groups export as they are
@@ -321,8 +338,25 @@ class Llama(DecoderLM):
                  if not k.endswith(("head_ids", "kv_head_ids", "kv_index", "head_gate"))}
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
+        if not cfg.attention_bias and any(a.o_proj.bias is not None for a in self.attentions):
+            # a W_O bias that recovery added: HF Llama has one only with attention_bias,
+            # which gives Q, K and V biases too; zeros leave the function as it is
+            hf["attention_bias"] = True
+            cfg = replace(cfg, attention_bias=True)
+            state.update(self._zero_biases())
         return hf, invert_state_dict(state, weight_map(cfg), cfg.num_hidden_layers,
                                      prefix="model.")
+
+    def _zero_biases(self) -> dict[str, torch.Tensor]:
+        """Zero Q/K/V biases for every layer, and zero W_O biases where none was added."""
+        out = {}
+        for i, a in enumerate(self.attentions):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                lin = getattr(a, name)
+                if lin.bias is None:
+                    w = lin.weight
+                    out[f"blocks.{i}.attn.{name}.bias"] = w.new_zeros(w.shape[0])
+        return out
 
 
 # ---------------------------------------------------------------------- conversion

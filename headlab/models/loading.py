@@ -182,6 +182,9 @@ def _rebuild(meta: dict, state: dict[str, torch.Tensor], path: Path) -> HeadMode
     cls = module.MODEL_CLASS
     config = cls.config_class.from_dict(meta["config"])
     model = cls(config, layout=meta["layout"], **meta.get("extra", {}))
+    for attn, has_bias in zip(model.attentions, meta.get("out_bias") or [], strict=False):
+        if has_bias:  # a bias recovery added to a family built without one
+            attn.ensure_out_bias()
     load_into(model, state, what=f"headlab model at {path}")
     return model
 

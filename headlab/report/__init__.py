@@ -79,6 +79,7 @@ def render(result: RunResult) -> str:
         warning=result.data.warning,
         score_only=mask is None,
         summary=_context.summary_rows(result),
+        recovery=_context.recovery_view(result),
         per_layer=_context.per_layer_rows(result),
         config=_context.config_rows(result.config),
         figures=_context.figures(result, mask),

@@ -107,6 +107,33 @@ def summary_rows(result: RunResult) -> list[dict]:
     ]
 
 
+def _sig_or_missing(v: Any) -> str:
+    return _sig(v) if _num(v) is not None else NOT_MEASURED
+
+
+def recovery_view(result: RunResult) -> dict | None:
+    """What recovery did: the method and its options, held-out quality as it came, after
+    pruning and after recovery side by side, and each layer's reconstruction error
+    before and after the fit; None where no recovery ran."""
+    rec = result.recovery
+    if rec is None:
+        return None
+    q = result.quality
+    options = ", ".join(f"{k} {v}" for k, v in rec.options.items()) or "none"
+    pruned_change, pruned_tone = _change(_num(q.before), _num(q.pruned), q.higher_is_better)
+    after_change, after_tone = _change(_num(q.before), _num(q.after), q.higher_is_better)
+    return {
+        "method": rec.method, "options": options, "tokens": f"{rec.tokens:,}",
+        "seconds": f"{rec.seconds:.1f} s", "metric": q.metric or "quality",
+        "quality": [("as it came", _sig_or_missing(q.before), "", "neutral"),
+                    ("pruned", _sig_or_missing(q.pruned), pruned_change, pruned_tone),
+                    (f"pruned + {rec.method}", _sig_or_missing(q.after), after_change,
+                     after_tone)],
+        "layers": [(e.layer, _sig_or_missing(e.error_before), _sig_or_missing(e.error_after))
+                   for e in rec.layers],
+    }
+
+
 def per_layer_rows(result: RunResult) -> list[dict]:
     """Heads and key/value heads per layer, before and after, as space-separated counts."""
     rows = []

@@ -1,0 +1,118 @@
+"""Repair a pruned model so it computes what the unpruned one did, on the scoring data.
+
+    report = headlab.recover(pruned, reference, scoring_blocks, method="lsq")
+
+Methods (`RECOVERY_METHODS`):
+    none     change nothing; report the per-layer errors only
+    bias     the removed heads' mean contribution folded into W_O's bias (`bias`)
+    lsq      W_O and its bias refitted by ridge least squares, layer by layer (`lsq`)
+    rescale  one least-squares scale per kept head, folded into W_O (`lsq`)
+    distill  a short knowledge distillation toward the reference (`distill`)
+
+The first four need no training and share one walk over the layers
+(`headlab.recovery.layerwise`). Recovery only reads the scoring split; quality is
+measured on held-out data elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from headlab.data import Blocks
+from headlab.errors import UserError
+from headlab.models.base import HeadModel
+from headlab.recovery.bias import BiasCompensation
+from headlab.recovery.layerwise import MakeFit, repair
+from headlab.recovery.lsq import DEFAULT_RIDGE, LeastSquares, Rescale, solve_ridge
+from headlab.recovery.report import LayerError, RecoveryReport
+
+__all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "LayerError", "RecoveryReport", "recover",
+           "solve_ridge"]
+
+RECOVERY_METHODS = ("none", "bias", "lsq", "rescale", "distill")
+_RIDGE_METHODS = ("lsq", "rescale")
+
+
+def recover(
+    pruned: HeadModel,
+    reference: HeadModel,
+    blocks: Blocks,
+    *,
+    method: str,
+    batch_size: int = 8,
+    ridge: float | None = None,
+    **options: Any,
+) -> RecoveryReport:
+    """Repair ``pruned`` in place toward ``reference`` on ``blocks``; return what was done.
+
+    ``pruned``: the physically pruned model, its kept heads' weights still the
+    reference's. ``reference``: the model before pruning (not modified). ``blocks``:
+    the scoring split, as prepared for scoring (only the hidden states matter here).
+    ``ridge`` (lsq, rescale; default `DEFAULT_RIDGE`) scales the pull toward the
+    current weights. ``distill`` starts from ``lsq`` (with ``ridge``) unless
+    ``start="none"``; its ``options`` go to `headlab.recovery.distill.distill`, and the
+    report holds lsq's per-layer errors. The other methods take no options. On any
+    error the model is left as it came (a distillation puts back its own changes).
+    """
+    if method not in RECOVERY_METHODS:
+        raise UserError(f"unknown recovery method {method!r}; choose one of "
+                        f"{', '.join(RECOVERY_METHODS)}")
+    if method == "distill":
+        return _distill(pruned, reference, blocks, batch_size=batch_size, ridge=ridge,
+                        **options)
+    if options:
+        raise UserError(f"recovery {method!r} takes no options; got {sorted(options)}")
+    if batch_size < 1:
+        raise UserError(f"batch_size must be at least 1, got {batch_size}")
+    if method in _RIDGE_METHODS:
+        ridge = DEFAULT_RIDGE if ridge is None else float(ridge)
+        if not math.isfinite(ridge) or ridge < 0:
+            raise UserError(f"ridge must be a finite number >= 0, got {ridge}")
+    elif ridge is not None:
+        raise UserError(f"ridge applies to {' and '.join(_RIDGE_METHODS)}, not {method!r}")
+    if blocks.n_tokens == 0:
+        raise UserError(f"{blocks.spec}: no scoring tokens to recover on")
+
+    start = time.perf_counter()
+    layers = repair(pruned, reference, blocks, make_fit=_make_fit(method, ridge),
+                    batch_size=batch_size, method=method)
+    return RecoveryReport(method, {} if ridge is None else {"ridge": ridge}, blocks.n_tokens,
+                          time.perf_counter() - start, layers)
+
+
+def _distill(pruned, reference, blocks, *, batch_size: int, ridge: float | None,
+             start: str = "lsq", **options: Any) -> RecoveryReport:
+    """lsq (unless ``start="none"``), then the short distillation; one report."""
+    from headlab.recovery.distill import distill
+
+    if start not in ("lsq", "none"):
+        raise UserError(f"distill starts from 'lsq' or 'none', got start={start!r}")
+    begin = time.perf_counter()
+    # lsq replaces W_O modules and never writes into them: these put its fit back
+    originals = [a.o_proj for a in pruned.attentions]
+    first = (recover(pruned, reference, blocks, method="lsq", batch_size=batch_size,
+                     ridge=ridge) if start == "lsq" else None)
+    try:
+        summary = distill(pruned, reference, blocks, batch_size=batch_size, **options)
+    except BaseException:
+        for attn, o_proj in zip(pruned.attentions, originals, strict=True):
+            attn.o_proj = o_proj
+        raise
+    plain = {k: v for k, v in summary.items() if k not in ("method", "tokens", "seconds")
+             and (v is None or isinstance(v, (bool, int, float, str)))}
+    return RecoveryReport(
+        "distill", {"start": start, **(first.options if first else {}), **plain},
+        int(summary.get("tokens", 0)), time.perf_counter() - begin,
+        first.layers if first else [])
+
+
+def _make_fit(method: str, ridge: float | None) -> MakeFit:
+    if method == "bias":
+        return lambda layer, ref_attn, attn: BiasCompensation(ref_attn, attn)
+    if method == "lsq":
+        return lambda layer, ref_attn, attn: LeastSquares(attn, ridge=ridge)
+    if method == "rescale":
+        return lambda layer, ref_attn, attn: Rescale(attn, ridge=ridge)
+    return lambda layer, ref_attn, attn: None  # none: errors only

@@ -1,0 +1,341 @@
+"""A short knowledge distillation of a pruned model toward the unpruned one.
+
+The pruned model (the student) learns to reproduce the reference (the teacher, the
+model before pruning) on the scoring blocks, by the loss of its kind of model:
+
+    causal-lm   KL(teacher || student) of the next-token distributions at temperature
+                T, times T^2, over the positions the objective scores (real token pairs)
+    masked-lm   the same at the masked positions
+    classifier  that KL over the classes, plus the cross-entropy to the labels
+    embedding   1 - cos between the student's and the teacher's sentence embeddings
+
+The loss is chosen by the objective's kind (`_LOSSES`), and the positions a KL runs
+over are the objective's own (its ``_scored``): causal and masked LMs both put out
+(B, S, V) logits, so the output alone cannot say which positions count.
+
+Only a chosen set of parameters trains (`PARAMS`); head gates are buffers and never
+do. AdamW without weight decay (decay would move weights the loss does not touch,
+such as those of a masked head), the model in eval mode (no dropout: a resumed run
+repeats the uninterrupted one bit for bit), batches in an order fixed by ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headlab._progress import track
+from headlab.checkpoint import Checkpoint
+from headlab.data import Blocks
+from headlab.errors import UserError
+from headlab.models.base import HeadModel
+from headlab.objectives import Objective, objective_for
+
+PARAMS = ("out", "attention", "all", "lora")
+_PROJECTIONS = {"out": ("o_proj",), "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                "lora": ("q_proj", "k_proj", "v_proj", "o_proj")}
+_LORA_MISSING = "--recover-params lora needs the peft package: pip install peft"
+_ADAPTER = "distill"
+
+
+def distill(
+    pruned: HeadModel,
+    reference: HeadModel,
+    blocks: Blocks,
+    *,
+    tokens: int | None = None,
+    params: str = "out",
+    temperature: float = 1.0,
+    lr: float = 1e-4,
+    batch_size: int = 8,
+    accumulate: int = 1,
+    seed: int = 0,
+    lora_rank: int = 8,
+    checkpoint: Checkpoint | None = None,
+    checkpoint_key: str = "recover/distill",
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict:
+    """Distil ``reference`` into ``pruned`` in place on ``blocks``; return a summary.
+
+    ``tokens``: the budget of real tokens (None: one pass over the blocks); the last
+    batch that reaches it is used whole. ``params``: what trains, one of `PARAMS`:
+    ``out`` the attention output projections (weight and bias), ``attention`` every
+    attention's q/k/v/o projections, ``all`` every parameter, ``lora`` rank
+    ``lora_rank`` adapters (peft) on the attention projections, merged into the
+    weights at the end, so the model keeps plain ``nn.Linear`` weights and its
+    parameter names. A step averages the loss over ``accumulate`` batches of
+    ``batch_size`` blocks.
+
+    With a ``checkpoint``, the trainable tensors, the optimizer state, the step and
+    the losses so far are saved every ``checkpoint.every`` steps, when interrupted and
+    at the end; a later call with the same options resumes from them. The batch order
+    is a function of ``seed`` alone, so the step fixes where it continues.
+    ``on_step(step, loss)`` is called after each step (1-based).
+
+    On any error or interrupt the model's weights are put back as they were before
+    the call. A non-finite loss or gradient raises UserError naming the step.
+
+    Returns ``{"method", "params", "tokens", "token_budget", "steps", "seconds",
+    "loss_first", "loss_last", "losses", "trainable_parameters", ...options}``.
+    """
+    objective = objective_for(pruned)
+    _validate(pruned, reference, blocks, objective, tokens=tokens, params=params,
+              temperature=temperature, lr=lr, batch_size=batch_size, accumulate=accumulate,
+              lora_rank=lora_rank)
+    blocks = objective.prepare(reference, blocks, batch_size=batch_size, seed=seed)
+    loss_fn = _LOSSES[objective.kind]
+    schedule = _schedule(blocks, tokens=tokens, batch_size=batch_size, accumulate=accumulate,
+                         seed=seed)
+    step_tokens = [sum(int(blocks.attention_mask[rows].sum()) for rows in step)
+                   for step in schedule]
+    options = {"params": params, "token_budget": tokens, "temperature": temperature, "lr": lr,
+               "batch_size": batch_size, "accumulate": accumulate, "seed": seed,
+               **({"lora_rank": lora_rank} if params == "lora" else {})}
+    # enough of the blocks to tell a checkpoint of other data
+    data = [len(blocks), blocks.n_tokens, int(blocks.input_ids.sum())]
+
+    modes = (pruned.training, reference.training)
+    requires = {name: p.requires_grad for name, p in pruned.named_parameters()}
+    lora, before = None, {}
+    start, losses, seconds = 0, [], 0.0
+    done, updating, t0 = 0, False, time.perf_counter()
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint.put(checkpoint_key, {
+                "step": done, "losses": losses, "options": options, "data": data,
+                "seconds": seconds + time.perf_counter() - t0,
+                "trainable": {n: p.detach() for n, p in trainable.items()},
+                "optimizer": optimizer.state_dict(),
+            })
+
+    label = _LossLabel("distilling", math.nan)
+    pruned.eval()
+    reference.eval()
+    try:
+        try:
+            lora = _add_lora(pruned, lora_rank, seed) if params == "lora" else None
+            trainable = _trainable(pruned, params)
+            # what to put back on failure; LoRA leaves the base weights alone until merged
+            before = {} if lora else {n: p.detach().clone() for n, p in trainable.items()}
+            for p in pruned.parameters():
+                p.requires_grad_(False)
+            for p in trainable.values():
+                p.requires_grad_(True)
+            optimizer = torch.optim.AdamW(list(trainable.values()), lr=lr, weight_decay=0.0)
+            saved = checkpoint.get(checkpoint_key) if checkpoint is not None else None
+            if saved is not None:
+                _check_resumable(saved, options, data, trainable, checkpoint)
+                start, losses, seconds = saved["step"], list(saved["losses"]), saved["seconds"]
+                with torch.no_grad():
+                    for name, p in trainable.items():
+                        p.copy_(saved["trainable"][name])
+                optimizer.load_state_dict(saved["optimizer"])
+                label.loss = losses[-1] if losses else math.nan
+            done = start
+            for step in track(range(start, len(schedule)), total=len(schedule) - start,
+                              description=label):
+                loss = 0.0
+                for rows in schedule[step]:
+                    batch = next(blocks.subset(rows).batches(len(rows)))
+                    with torch.no_grad():
+                        teacher = objective.forward(reference, batch)
+                    student = objective.forward(pruned, batch)
+                    micro = loss_fn(objective, pruned, student, reference, teacher, batch,
+                                    temperature) / len(schedule[step])
+                    if not torch.isfinite(micro):
+                        raise UserError(_not_finite("loss", micro.item(), step + 1))
+                    micro.backward()
+                    loss += micro.item()
+                norms = [p.grad.norm() for p in trainable.values() if p.grad is not None]
+                if norms and not torch.isfinite(torch.stack(norms).sum()):
+                    raise UserError(_not_finite("gradient", math.nan, step + 1))
+                updating = True  # an interrupt now would leave half-updated weights
+                optimizer.step()
+                updating = False
+                optimizer.zero_grad(set_to_none=True)
+                done = step + 1
+                losses.append(loss)
+                label.loss = loss
+                if checkpoint is not None and done % checkpoint.every == 0:
+                    save()
+                if on_step is not None:
+                    on_step(done, loss)
+        except BaseException as exc:
+            try:
+                if isinstance(exc, KeyboardInterrupt) and not updating and done > start:
+                    save()
+            finally:
+                _restore(pruned, lora, before)
+            raise
+        if done > start:
+            save()
+        if lora is not None:
+            lora.merge_and_unload(safe_merge=True)
+    finally:
+        for name, p in pruned.named_parameters():
+            p.requires_grad_(requires.get(name, False))
+        pruned.train(modes[0])
+        reference.train(modes[1])
+    seconds += time.perf_counter() - t0
+    return {"method": "distill", **options, "tokens": sum(step_tokens),
+            "steps": len(schedule), "seconds": seconds,
+            "loss_first": losses[0] if losses else math.nan,
+            "loss_last": losses[-1] if losses else math.nan, "losses": losses,
+            "trainable_parameters": sum(p.numel() for p in trainable.values())}
+
+
+# ---------------------------------------------------------------- losses per kind
+def _kl(objective: Objective, student: HeadModel, s_out, reference: HeadModel, t_out,
+        batch, temperature: float) -> torch.Tensor:
+    """T^2 KL(teacher || student) at temperature T, averaged over the scored positions."""
+    s, valid = objective._scored(student, s_out, batch)  # (B, T, V), (B, T)
+    t, _ = objective._scored(reference, t_out, batch)
+    log_s = F.log_softmax(s / temperature, dim=-1)
+    log_t = F.log_softmax(t.to(s.device) / temperature, dim=-1)
+    kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)  # (B, T)
+    return (kl * valid).sum() / valid.sum().clamp(min=1) * temperature**2
+
+
+def _kl_and_labels(objective, student, s_out, reference, t_out, batch, temperature):
+    """The KL over the classes plus the mean cross-entropy to the labels."""
+    loss, _, _ = objective.losses(student, s_out, batch)  # (B,)
+    return _kl(objective, student, s_out, reference, t_out, batch, temperature) + loss.mean()
+
+
+def _cosine(objective, student, s_out, reference, t_out, batch, temperature):
+    """1 - cos to the teacher's sentence embedding, averaged over the batch."""
+    s = s_out.embeddings.float()  # (B, E)
+    return (1 - F.cosine_similarity(s, t_out.embeddings.float().to(s.device), dim=-1)).mean()
+
+
+_LOSSES = {"causal-lm": _kl, "masked-lm": _kl, "classifier": _kl_and_labels,
+           "embedding": _cosine}
+
+
+# ---------------------------------------------------------------- what trains
+def _trainable(model: nn.Module, params: str) -> dict[str, nn.Parameter]:
+    """The named parameters that train (empty tensors of fully pruned layers left out)."""
+    if params == "lora":
+        chosen = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    elif params == "all":
+        chosen = list(model.named_parameters())
+    else:
+        wanted = {id(p) for attn in model.attentions for proj in _PROJECTIONS[params]
+                  for p in getattr(attn, proj).parameters()}
+        chosen = [(n, p) for n, p in model.named_parameters() if id(p) in wanted]
+    return {n: p for n, p in chosen if p.numel()}
+
+
+def _add_lora(model: HeadModel, rank: int, seed: int):
+    """Wrap the attention projections with peft LoRA adapters (in place); the adapter
+    initialisation is seeded and leaves the global RNG as it was."""
+    try:
+        from peft import LoraConfig
+        from peft.tuners.lora import LoraModel
+    except ImportError:
+        raise UserError(_LORA_MISSING) from None
+    names = {id(m): n for n, m in model.named_modules()}
+    targets = [names[id(proj)] for attn in model.attentions for proj_name in _PROJECTIONS["lora"]
+               if (proj := getattr(attn, proj_name)).weight.numel()]
+    if not targets:
+        raise UserError("--recover-params lora: the model has no attention projection left "
+                        "to adapt")
+    config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=targets,
+                        bias="none")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LoraModel(model, config, _ADAPTER)
+
+
+def _restore(model: HeadModel, lora, before: dict[str, torch.Tensor]) -> None:
+    """Put the weights back as they were before `distill` (LoRA: drop the adapters)."""
+    if lora is not None:
+        lora.unload()
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in before.items():
+            params[name].copy_(value)
+
+
+# ---------------------------------------------------------------- batches
+def _schedule(blocks: Blocks, *, tokens: int | None, batch_size: int, accumulate: int,
+              seed: int) -> list[list[torch.Tensor]]:
+    """Each step's batches, as row indices: seeded shuffles of the blocks, pass after
+    pass, until ``tokens`` real tokens are reached (None: one pass)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = blocks.attention_mask.sum(1)  # (N,)
+    budget = blocks.n_tokens if tokens is None else tokens
+    batches, used = [], 0
+    while used < budget:
+        for rows in torch.randperm(len(blocks), generator=gen).split(batch_size):
+            batches.append(rows)
+            used += int(per_row[rows].sum())
+            if used >= budget:
+                break
+    return [batches[i:i + accumulate] for i in range(0, len(batches), accumulate)]
+
+
+# ---------------------------------------------------------------- checks
+def _validate(pruned, reference, blocks, objective, *, tokens, params, temperature, lr,
+              batch_size, accumulate, lora_rank) -> None:
+    if params not in PARAMS:
+        raise UserError(f"unknown --recover-params {params!r}; choose from {', '.join(PARAMS)}")
+    if tokens is not None and tokens <= 0:
+        raise UserError(f"--recover-tokens must be a positive number of tokens, got {tokens}")
+    for name, value in (("temperature", temperature), ("learning rate", lr)):
+        if not value > 0 or not math.isfinite(value):
+            raise UserError(f"distillation {name} must be a positive number, got {value}")
+    for name, value in (("batch size", batch_size), ("accumulation", accumulate),
+                        ("LoRA rank", lora_rank)):
+        if value < 1:
+            raise UserError(f"distillation {name} must be at least 1, got {value}")
+    if pruned is reference:
+        raise UserError("distillation needs the unpruned model as the reference, not the "
+                        "pruned model itself: pass a copy made before pruning")
+    if objective_for(reference).kind != objective.kind:
+        raise UserError(f"the reference is a {objective_for(reference).kind} model and the "
+                        f"pruned model a {objective.kind} one: distil a model toward its own "
+                        "unpruned original")
+    if objective.kind not in _LOSSES:
+        raise UserError(f"distillation has no loss for {objective.kind} models; it knows "
+                        f"{', '.join(_LOSSES)}")
+    if len(blocks) == 0 or blocks.n_tokens == 0:
+        raise UserError(f"{blocks.spec}: no tokens to distil on")
+
+
+def _not_finite(what: str, value: float, step: int) -> str:
+    return (f"distillation {what} is {value} at step {step}; the model is left as it was: "
+            "try a lower --recover-lr, or --dtype float32")
+
+
+def _check_resumable(saved: dict, options: dict, data: list[int], trainable: dict,
+                     checkpoint: Checkpoint) -> None:
+    """Refuse a checkpoint that another distillation (options, data, model) wrote."""
+    shapes = {n: tuple(p.shape) for n, p in trainable.items()}
+    saved_shapes = {n: tuple(t.shape) for n, t in saved["trainable"].items()}
+    if saved["options"] != options or saved["data"] != data or saved_shapes != shapes:
+        changed = sorted(k for k in options if saved["options"].get(k) != options[k])
+        what = (f"options {', '.join(changed)}" if changed
+                else "data" if saved["data"] != data else "trainable tensors")
+        raise UserError(f"checkpoint {checkpoint.path} holds a distillation with other "
+                        f"{what}; use the same options or delete it to start over")
+
+
+class _LossLabel(str):
+    """The progress bar's description, showing the running loss: the bar formats its
+    description each time it draws (`headlab._progress.track` takes it once)."""
+
+    def __new__(cls, text: str, loss: float) -> _LossLabel:
+        label = super().__new__(cls, text)
+        label.loss = loss
+        return label
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if math.isnan(self.loss) else f"{str(self)} (loss {self.loss:.4g})"

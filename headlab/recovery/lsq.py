@@ -1,0 +1,123 @@
+"""Least-squares refits of a pruned layer's output projection (lsq, rescale).
+
+``lsq`` refits the kept heads' W_O (E x H*D) and its bias so that the pruned layer's
+attention output matches the reference's (Kwon et al. 2022's layer-wise
+reconstruction, on the output projection):
+
+    X = [z, 1]   (N, H*D + 1)  the pruned layer's per-head outputs, computed on the
+                               hidden states the pruned model (its earlier layers
+                               already repaired) produces at that layer
+    Y            (N, E)        the reference's attention output at that layer on the
+                               reference's own hidden states
+    W = argmin ||X W - Y||^2 + lambda ||W - W0||^2,   W0 = [W_O^T; bias]
+
+Because Y comes from the reference's own stream, the fit also corrects the drift
+that earlier layers leave in the pruned stream. ``rescale`` is Kwon et al.'s cheaper
+variant: one scale per kept head (H unknowns), folded into W_O's columns.
+
+X^T X and X^T Y are summed in float64 over batches (memory O((H*D)^2 + H*D*E) per
+layer; activations are never kept). The ridge pulls toward the current weights, with
+lambda = ridge * mean(diag(X^T X)), so the fitted error is never above the error of
+the weights as they were. Solved by Cholesky, by least squares if that fails.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headlab.attention import MultiHeadAttention
+from headlab.recovery.layerwise import LayerFit
+
+DEFAULT_RIDGE = 0.3  # measured on both bundled models: README, "Prune and repair"
+
+
+class NormalEquations:
+    """X^T X (P, P) and X^T Y (P, E), summed in float64 over batches of rows."""
+
+    def __init__(self, p: int, e: int, device: torch.device) -> None:
+        if device.type == "mps":  # no float64 there
+            device = torch.device("cpu")
+        self.xtx = torch.zeros(p, p, dtype=torch.float64, device=device)
+        self.xty = torch.zeros(p, e, dtype=torch.float64, device=device)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """x (N, P), y (N, E)."""
+        x = x.to(self.xtx.device, torch.float64)
+        y = y.to(self.xtx.device, torch.float64)
+        self.xtx.addmm_(x.T, x)
+        self.xty.addmm_(x.T, y)
+        self.rows += x.shape[0]
+
+
+def solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, w0: torch.Tensor,
+                ridge: float) -> torch.Tensor:
+    """argmin_W ||X W - Y||^2 + lambda ||W - W0||^2 from X^T X (P, P) and X^T Y (P, E),
+    lambda = ridge * mean(diag(X^T X)): (X^T X + lambda I) W = X^T Y + lambda W0.
+    Returns W (P, E) in float64."""
+    if not (bool(torch.isfinite(xtx).all()) and bool(torch.isfinite(xty).all())):
+        raise FloatingPointError("the accumulated activations hold NaN or inf values")
+    w0 = w0.to(xtx.device, torch.float64)
+    lam = ridge * float(xtx.diagonal().mean()) if xtx.numel() else 0.0
+    a = xtx + lam * torch.eye(xtx.shape[0], dtype=xtx.dtype, device=xtx.device)
+    rhs = xty + lam * w0
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) == 0:
+        return torch.cholesky_solve(rhs, chol)
+    # not positive definite (ridge 0 on rank-deficient activations): the minimum-norm
+    # least-squares solution; gelsd needs the CPU
+    solution = torch.linalg.lstsq(a.cpu(), rhs.cpu(), driver="gelsd").solution
+    return solution.to(xtx.device)
+
+
+class LeastSquares(LayerFit):
+    """``lsq``: W_O and its bias refitted on X = [z, 1] (see the module docstring)."""
+
+    def __init__(self, attn: MultiHeadAttention, *, ridge: float) -> None:
+        self.attn, self.ridge = attn, ridge
+        w = attn.o_proj.weight
+        self.eq = NormalEquations(w.shape[1] + 1, w.shape[0], w.device)
+
+    def pruned(self, z: torch.Tensor, y: torch.Tensor) -> None:
+        x = z.reshape(z.shape[0], -1)  # (N, H*D)
+        self.eq.add(torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1), y)
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current W_O (E, H*D) and bias (E,) (zeros if none), in float64."""
+        lin = self.attn.o_proj
+        w = lin.weight.detach().to(self.eq.xtx.device, torch.float64)
+        b = (torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if lin.bias is None
+             else lin.bias.detach().to(w.device, torch.float64))
+        return w, b
+
+    def solve(self):
+        w, b = self._weights()
+        w0 = torch.cat([w.T, b[None]], dim=0)  # (H*D + 1, E)
+        fitted = solve_ridge(self.eq.xtx, self.eq.xty, w0, self.ridge)
+        return fitted[:-1].T, fitted[-1]  # W_O (E, H*D), bias (E,)
+
+
+class Rescale(LeastSquares):
+    """``rescale``: one scale s_h per kept head h, the bias kept:
+
+        s = argmin ||sum_h s_h P_h - (Y - b)||^2 + lambda ||s - 1||^2,  P_h = z_h W_h^T
+
+    with W_h (E, D) head h's columns of W_O. Its normal equations come from the same
+    sums as lsq's, never forming P (N, H, E):
+
+        G_hg = sum_{d,e} (X^T X)[hd, ge] (W^T W)[hd, ge]
+        r_h  = sum_{d,e} (X^T Y - (X^T 1) b^T)[hd, e] W[e, hd]
+    """
+
+    def solve(self):
+        H, D = self.attn.n_heads, self.attn.head_dim
+        if H == 0:
+            return None
+        w, b = self._weights()  # (E, H*D), (E,)
+        F = H * D
+        xtx, xsum, xty = self.eq.xtx[:F, :F], self.eq.xtx[:F, F], self.eq.xty[:F]
+        gram = (xtx * (w.T @ w)).view(H, D, H, D).sum((1, 3))  # (H, H)
+        rhs = ((xty - xsum[:, None] * b[None]) * w.T).view(H, -1).sum(1)  # (H,)
+        ones = torch.ones(H, 1, dtype=gram.dtype, device=gram.device)
+        scale = solve_ridge(gram, rhs[:, None], ones, self.ridge)[:, 0]  # (H,)
+        return (w.view(-1, H, D) * scale[None, :, None]).reshape(-1, F), None

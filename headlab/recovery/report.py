@@ -1,0 +1,64 @@
+"""RecoveryReport: what a recovery did, in one type (to_json / from_json)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LayerError:
+    """One layer's relative reconstruction error of its attention output,
+    ``||Y_hat - Y||^2 / ||Y||^2`` over the scoring tokens, before and after the repair
+    (Y: the reference's attention output; see `headlab.recovery.layerwise`)."""
+
+    layer: int
+    error_before: float
+    error_after: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, "error_before": _finite(self.error_before),
+                "error_after": _finite(self.error_after)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LayerError:
+        return cls(int(d["layer"]), _float(d["error_before"]), _float(d["error_after"]))
+
+
+@dataclass
+class RecoveryReport:
+    """``method`` and its ``options``, the scoring ``tokens`` it used, its wall-clock
+    ``seconds`` and, for the layer-wise methods, the per-layer errors."""
+
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+    tokens: int = 0
+    seconds: float = 0.0
+    layers: list[LayerError] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values; a non-finite error is written as null."""
+        return {"method": self.method, "options": dict(self.options), "tokens": self.tokens,
+                "seconds": self.seconds, "layers": [e.to_json() for e in self.layers]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RecoveryReport:
+        return cls(d["method"], dict(d.get("options") or {}), int(d.get("tokens", 0)),
+                   float(d.get("seconds", 0.0)),
+                   [LayerError.from_json(e) for e in d.get("layers") or []])
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{e.layer}</td><td>{e.error_before:.4g}</td>"
+                       f"<td>{e.error_after:.4g}</td></tr>" for e in self.layers)
+        return (f"<div><b>recovery</b> {self.method} {self.options or ''}: {self.tokens} "
+                f"tokens, {self.seconds:.1f} s<table><tr><th>layer</th><th>error before"
+                f"</th><th>error after</th></tr>{rows}</table></div>")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _float(x: float | None) -> float:
+    return math.nan if x is None else float(x)

@@ -1,0 +1,354 @@
+"""Tests for headlab.recovery: bias compensation, least-squares refits, the layer walk.
+
+References: the ridge solve against float64 numpy.linalg.lstsq, on random problems and
+on the activations the walk fitted (captured again through hooks). Invariants: the
+error after a fit is never above the error before; nothing pruned, nothing changes; a
+failed fit leaves the model as it came. Equivalences: bias compensation of heads with
+constant output restores the layer exactly; a recovered model equals itself after
+save -> load and after HF export. A sanity property: lsq brings held-out loss back.
+
+Tiny random models from transformers configs, converted by headlab's own from_hf:
+a Llama with GQA (6 query / 2 key-value heads, no biases), a GPT-2, a BERT encoder.
+Shape notation: N tokens, P unknowns per output, E model dim, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from torch.testing import assert_close
+
+import headlab
+from headlab.data import Blocks
+from headlab.errors import UserError
+from headlab.evaluate import evaluate
+from headlab.hooks import capture
+from headlab.models import bert, gpt2, llama
+from headlab.models.export import export_hf
+from headlab.pruning import copy_model
+from headlab.recovery import (
+    DEFAULT_RIDGE,
+    RECOVERY_METHODS,
+    RecoveryReport,
+    recover,
+    solve_ridge,
+)
+from headlab.recovery.lsq import NormalEquations
+
+V = 96  # vocabulary
+# each layer loses heads; layer 1 of the Llama loses a whole GQA group (heads 3, 4, 5)
+LLAMA_PLAN = {0: [0, 4], 1: [3, 4, 5], 2: [1]}
+GPT2_PLAN = {0: [1, 3], 1: [0], 2: [2, 3]}
+
+
+def _llama(seed: int = 0, **kw) -> llama.Llama:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=96,
+                                   num_hidden_layers=3, num_attention_heads=6,
+                                   num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=64, **kw)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    return llama.from_hf(cfg.to_dict(), hf.state_dict()).eval()
+
+
+def _gpt2(seed: int = 0) -> gpt2.GPT2:
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, vocab_size=V)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    return gpt2.from_hf(cfg.to_dict(), hf.state_dict()).eval()
+
+
+def _bert(seed: int = 0) -> bert.Bert:
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64,
+                                  max_position_embeddings=64)
+    hf = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    return bert.from_hf(cfg.to_dict(), hf.state_dict()).eval()
+
+
+MODELS = {"llama": (_llama, LLAMA_PLAN), "gpt2": (_gpt2, GPT2_PLAN)}
+
+
+def _blocks(n: int = 24, seq: int = 20, *, seed: int = 0, padded: bool = True) -> Blocks:
+    """Random token blocks; with ``padded``, rows end in padding of random length."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (n, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:
+        lengths = torch.randint(seq // 2, seq + 1, (n,), generator=gen)
+        mask = (torch.arange(seq)[None] < lengths[:, None]).long()
+    return Blocks(ids, mask, spec="random")
+
+
+def _pruned(reference, plan):
+    model = copy_model(reference)
+    model.prune_heads(plan)
+    return model
+
+
+def _logits(model, blocks: Blocks) -> torch.Tensor:
+    with torch.no_grad():
+        return model(blocks.input_ids, attention_mask=blocks.attention_mask).logits
+
+
+def _layer_activations(pruned, reference, blocks, layer, batch_size=8):
+    """X = [z, 1] of the pruned layer (N, H*D + 1) and Y, the reference layer's output
+    (N, E), over real tokens, captured through full forwards."""
+    xs, ys = [], []
+    for batch in blocks.batches(batch_size):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        with capture(pruned, f"blocks.{layer}.attn.z") as cz, \
+                capture(reference, f"blocks.{layer}.attn.out") as cy, torch.no_grad():
+            pruned(ids, attention_mask=mask)
+            reference(ids, attention_mask=mask)
+        real = mask.bool()
+        z = cz[f"blocks.{layer}.attn.z"][real]  # (N, H, D)
+        xs.append(torch.cat([z.reshape(len(z), -1), torch.ones(len(z), 1)], dim=1))
+        ys.append(cy[f"blocks.{layer}.attn.out"][real])
+    return torch.cat(xs).double(), torch.cat(ys).double()
+
+
+def _relative(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+# ---------------------------------------------------------------------- the solve
+@pytest.mark.parametrize("ridge", [0.0, 0.05])
+def test_ridge_solve_equals_numpy_lstsq(ridge):
+    gen = np.random.default_rng(0)
+    x = gen.normal(size=(300, 12)) @ gen.normal(size=(12, 12))  # (N, P), correlated columns
+    y = gen.normal(size=(300, 5))  # (N, E)
+    w0 = gen.normal(size=(12, 5))
+    eq = NormalEquations(12, 5, torch.device("cpu"))
+    for rows in np.array_split(np.arange(300), 7):  # summed over uneven batches
+        eq.add(torch.from_numpy(x[rows]), torch.from_numpy(y[rows]))
+    ours = solve_ridge(eq.xtx, eq.xty, torch.from_numpy(w0), ridge).numpy()
+    # the ridge problem as one stacked least-squares problem:
+    # [X; sqrt(lam) I] W ~ [Y; sqrt(lam) W0], lam = ridge * mean(diag(X^T X))
+    lam = ridge * np.mean(np.diag(x.T @ x))
+    a = np.vstack([x, np.sqrt(lam) * np.eye(12)])
+    b = np.vstack([y, np.sqrt(lam) * w0])
+    expected = np.linalg.lstsq(a, b, rcond=None)[0]
+    assert _relative(ours, expected) < 1e-8
+
+
+def test_rank_deficient_ridge_zero_falls_back_to_least_squares():
+    gen = np.random.default_rng(1)
+    x = gen.normal(size=(100, 6))
+    x = np.hstack([x, x[:, :2]])  # two repeated columns: X^T X is singular
+    y = gen.normal(size=(100, 3))
+    xt = torch.from_numpy(x)
+    ours = solve_ridge(xt.T @ xt, xt.T @ torch.from_numpy(y), torch.zeros(8, 3), 0.0).numpy()
+    # any least-squares solution has the same fitted values
+    expected = np.linalg.lstsq(x, y, rcond=None)[0]
+    assert _relative(x @ ours, x @ expected) < 1e-8
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_lsq_fit_equals_numpy_lstsq_on_the_activations_it_saw(family):
+    """Each layer's W_O and bias are numpy's lstsq of Y on X = [z, 1], with X from the
+    pruned model after its earlier layers were repaired and Y from the reference."""
+    build, plan = MODELS[family]
+    reference, blocks = build(), _blocks()
+    model = _pruned(reference, plan)
+    recover(model, reference, blocks, method="lsq", ridge=0.0)
+    for layer, attn in enumerate(model.attentions):
+        # z of layer i depends on the repaired layers < i and on its own Q, K, V only
+        x, y = _layer_activations(model, reference, blocks, layer)
+        assert x.shape[0] > x.shape[1]  # full rank: more tokens than unknowns
+        expected = np.linalg.lstsq(x.numpy(), y.numpy(), rcond=None)[0]  # (H*D + 1, E)
+        eq = NormalEquations(x.shape[1], y.shape[1], torch.device("cpu"))
+        for part in range(0, len(x), 50):
+            eq.add(x[part:part + 50], y[part:part + 50])
+        solved = solve_ridge(eq.xtx, eq.xty, torch.zeros(x.shape[1], y.shape[1]), 0.0)
+        assert _relative(solved.numpy(), expected) < 1e-8
+        # the model holds it in float32
+        written = torch.cat([attn.o_proj.weight.T, attn.o_proj.bias[None]]).double()
+        assert _relative(written.detach().numpy(), expected) < 1e-5
+
+
+# ---------------------------------------------------------------------- invariants
+@pytest.mark.parametrize("method", ["lsq", "rescale"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_error_after_fit_never_above_before(family, method):
+    build, plan = MODELS[family]
+    reference, blocks = build(), _blocks()
+    model = _pruned(reference, plan)
+    report = recover(model, reference, blocks, method=method)
+    assert [e.layer for e in report.layers] == [0, 1, 2]
+    for e in report.layers:
+        assert e.error_before > 0
+        # float32 forwards measure both: a fit that changes nothing may differ by rounding
+        assert e.error_after <= e.error_before + 1e-6
+    if method == "lsq":  # 60+ tokens per unknown output row: with a light ridge, a real
+        # improvement (the default ridge, tuned on held-out quality, pulls harder to W0)
+        light = recover(_pruned(reference, plan), reference, blocks, method=method,
+                        ridge=1e-2)
+        assert all(e.error_after < 0.5 * e.error_before for e in light.layers)
+
+
+def test_bert_encoder_walks_its_blocks():
+    reference, blocks = _bert(), _blocks()
+    model = _pruned(reference, {0: [0, 2], 1: [3]})
+    report = recover(model, reference, blocks, method="lsq")
+    for e in report.layers:
+        assert e.error_after < e.error_before
+
+
+@pytest.mark.parametrize("method", [m for m in RECOVERY_METHODS if m != "distill"])
+def test_nothing_pruned_changes_no_output(method):
+    reference, blocks = _llama(), _blocks()
+    model = copy_model(reference)
+    report = recover(model, reference, blocks, method=method)
+    assert_close(_logits(model, blocks), _logits(reference, blocks), rtol=0, atol=1e-6)
+    assert all(e.error_before == 0 and e.error_after == 0 for e in report.layers)
+
+
+def test_bias_restores_a_layer_whose_removed_heads_are_constant():
+    """With zero V weights and a constant V bias, a head outputs that constant at every
+    position (attention weights sum to 1): its mean contribution is all it did."""
+    reference, blocks = _gpt2(), _blocks()
+    removed, D = GPT2_PLAN[0], reference.head_dim
+    attn = reference.attentions[0]
+    with torch.no_grad():
+        for h in removed:
+            attn.v_proj.weight[h * D:(h + 1) * D] = 0
+            attn.v_proj.bias[h * D:(h + 1) * D] = torch.randn(D)
+    model = _pruned(reference, GPT2_PLAN)
+    report = recover(model, reference, blocks, method="bias")
+    real = blocks.attention_mask.bool()
+    with capture(model, "blocks.0.attn.out") as ours, \
+            capture(reference, "blocks.0.attn.out") as ref, torch.no_grad():
+        model(blocks.input_ids, attention_mask=blocks.attention_mask)
+        reference(blocks.input_ids, attention_mask=blocks.attention_mask)
+    assert_close(ours["blocks.0.attn.out"][real], ref["blocks.0.attn.out"][real],
+                 rtol=0, atol=1e-5)
+    assert report.layers[0].error_before > 1e-3 and report.layers[0].error_after < 1e-10
+
+
+def test_bias_gives_a_llama_an_output_bias_only_where_heads_went():
+    reference, blocks = _llama(), _blocks()
+    model = _pruned(reference, {0: [1], 2: [0, 5]})
+    before = _logits(model, blocks)
+    recover(model, reference, blocks, method="bias")
+    assert [a.o_proj.bias is not None for a in model.attentions] == [True, False, True]
+    assert all(a.o_proj.bias is None for a in reference.attentions)
+    assert not torch.allclose(_logits(model, blocks), before)
+
+
+# ---------------------------------------------------------------------- save, load, export
+@pytest.mark.parametrize("method", ["bias", "lsq"])
+def test_recovered_llama_survives_save_and_load(method, tmp_path):
+    reference, blocks = _llama(), _blocks()
+    model = _pruned(reference, LLAMA_PLAN)
+    recover(model, reference, blocks, method=method)
+    model.save(tmp_path / "m")
+    meta = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert meta["out_bias"] == [True, True, True]
+    loaded = headlab.load(tmp_path / "m")
+    assert_close(_logits(loaded, blocks), _logits(model, blocks), rtol=0, atol=1e-6)
+
+
+def test_export_hf_of_recovered_llama_loads_in_transformers(tmp_path):
+    reference, blocks = _llama(), _blocks()
+    # whole GQA groups, the same count in every layer: expressible in an HF config
+    model = _pruned(reference, {0: [3, 4, 5], 1: [0, 1, 2], 2: [3, 4, 5]})
+    recover(model, reference, blocks, method="lsq")
+    export_hf(model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.attention_bias and hf.config.num_attention_heads == 3
+    with torch.no_grad():
+        theirs = hf(blocks.input_ids, attention_mask=blocks.attention_mask).logits
+    real = blocks.attention_mask.bool()
+    assert_close(theirs[real], _logits(model, blocks)[real], rtol=0, atol=1e-4)
+
+
+def test_report_round_trips_through_json():
+    reference, blocks = _gpt2(), _blocks()
+    report = recover(_pruned(reference, GPT2_PLAN), reference, blocks, method="lsq")
+    assert report.tokens == blocks.n_tokens and report.options == {"ridge": DEFAULT_RIDGE}
+    again = RecoveryReport.from_json(json.loads(json.dumps(report.to_json())))
+    assert again == report
+
+
+# ---------------------------------------------------------------------- bad input
+def test_unknown_method_names_the_choices():
+    reference = _gpt2()
+    with pytest.raises(UserError, match="lsq, rescale"):
+        recover(_pruned(reference, GPT2_PLAN), reference, _blocks(), method="sgd")
+
+
+def test_bad_arguments_are_user_errors():
+    reference, blocks = _gpt2(), _blocks()
+    model = _pruned(reference, GPT2_PLAN)
+    with pytest.raises(UserError, match="ridge applies"):
+        recover(model, reference, blocks, method="bias", ridge=0.1)
+    with pytest.raises(UserError, match="ridge must be"):
+        recover(model, reference, blocks, method="lsq", ridge=-1.0)
+    with pytest.raises(UserError, match="takes no options"):
+        recover(model, reference, blocks, method="lsq", steps=3)
+    with pytest.raises(UserError, match="separate model"):
+        recover(model, model, blocks, method="lsq")
+
+
+@pytest.mark.parametrize("method", ["bias", "lsq", "rescale"])
+def test_nan_activations_name_the_layer_and_leave_the_model_unchanged(method):
+    """A NaN in the reference's first MLP reaches layer 1's activations: the walk has
+    already repaired layer 0 when layer 1's fit fails, and must put it back."""
+    reference, blocks = _llama(), _blocks()
+    model = _pruned(reference, LLAMA_PLAN)
+    with torch.no_grad():
+        reference.blocks[0].mlp.down_proj.weight[0, 0] = float("nan")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    projections = [a.o_proj for a in model.attentions]
+    with pytest.raises(UserError, match="layer 1"):
+        recover(model, reference, blocks, method=method)
+    assert [a.o_proj for a in model.attentions] == projections
+    after = model.state_dict()
+    assert sorted(after) == sorted(state)
+    for k, v in state.items():
+        assert torch.equal(after[k], v), k
+
+
+# ---------------------------------------------------------------------- held-out quality
+def _sampled(model, n: int, seq: int, seed: int) -> Blocks:
+    """Text the reference model writes itself: its loss is its entropy, and any other
+    model's exceeds it by the KL divergence, so held-out loss measures closeness."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (n, 1), generator=gen)
+    with torch.no_grad():
+        for _ in range(seq - 1):
+            probs = model(ids).logits[:, -1].softmax(-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
+    return Blocks(ids, torch.ones_like(ids), spec="sampled")
+
+
+def test_lsq_lowers_held_out_loss_of_a_pruned_model():
+    # larger weights than the default init: predictions peaked enough to lose by pruning
+    reference = _llama(initializer_range=0.1)
+    scoring, heldout = _sampled(reference, 48, 24, 0), _sampled(reference, 48, 24, 1)
+    plan = {0: [1, 4], 1: [2, 5], 2: [1, 3]}
+    base = evaluate(reference, heldout).loss
+    losses = {}
+    for method in ("none", "lsq"):
+        model = _pruned(reference, plan)
+        recover(model, reference, scoring, method=method)
+        losses[method] = evaluate(model, heldout).loss
+    assert losses["none"] > base
+    assert losses["lsq"] - base < 0.5 * (losses["none"] - base)
+
+
+def test_distill_starts_from_lsq_and_reports_it():
+    reference, blocks = _llama(), _blocks(padded=False)
+    model = _pruned(reference, LLAMA_PLAN)
+    report = recover(model, reference, blocks, method="distill", tokens=64, lr=1e-3)
+    assert report.method == "distill" and report.options["start"] == "lsq"
+    assert report.options["ridge"] == DEFAULT_RIDGE and report.tokens >= 64
+    assert [e.layer for e in report.layers] == [0, 1, 2]
+    assert all(a.o_proj.bias is not None for a in model.attentions)  # lsq gave biases
+    json.dumps(report.to_json())
