@@ -386,7 +386,8 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) ->
 @app.command()
 def bench(
     which: Annotated[str, typer.Argument(
-        help="attention|models|hooks|importance|pruning|generate|quality|all")] = "all",
+        help="attention|models|hooks|importance|pruning|generate|quality|recovery|all")]
+    = "all",
     quick: Annotated[bool, typer.Option(help="Small sizes, about 2 minutes.")] = False,
     device: Annotated[opt.Device, typer.Option()] = opt.Device.cpu,
     out: Annotated[Path, typer.Option(help="Where the JSON files go.")] = Path("reports/bench"),

@@ -131,6 +131,8 @@ def test_each_benchmark_has_its_targets(tiny_run):
     assert figures["pruning"] == {"B4_S16.drop_over_predicted"}
     assert figures["generate"] == {"speed_vs_transformers", "kernel_over_torch_products"}
     assert figures["quality"] == {"minilm-l6.michel_unnormalised_over_random"}
+    assert figures["recovery"] == {"minilm-l6.kept_over_none", "minilm-l6.recover_over_michel",
+                                   "minilm-l6.keep_1_max_abs_diff"}
 
 
 def test_references_compute_the_same_function(tiny_run):

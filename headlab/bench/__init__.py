@@ -16,6 +16,8 @@ same process, on the same weights and inputs, timed as `headlab._timing` describ
                 memory-bandwidth bound
     quality     held-out quality lost when pruning with michel vs with random scores
                 (3 seeds), on the real bundled SmolLM2 and MiniLM; not a timing
+    recovery    held-out loss kept after the default repair (lsq) / without it, at keep
+                0.6 on SmolLM2 and MiniLM; its time / michel scoring's
 
 Every figure is reported as median and interquartile range (``spread`` = q3 - q1), with
 its samples. Each benchmark writes ``<out>/<name>.json`` (figures, ratios, targets with
@@ -47,6 +49,7 @@ from headlab.bench.importance import ImportanceSizes, bench_importance
 from headlab.bench.models import ModelsSizes, bench_models
 from headlab.bench.pruning import PruningSizes, bench_pruning, count_flops
 from headlab.bench.quality import QualitySizes, bench_quality
+from headlab.bench.recovery import RecoverySizes, bench_recovery
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "pruning": bench_pruning,
     "generate": bench_generate,
     "quality": bench_quality,
+    "recovery": bench_recovery,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -82,6 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pruning": PruningSizes(),
         "generate": GenerateSizes(),
         "quality": QualitySizes(),
+        "recovery": RecoverySizes(),
     },
     # a few minutes on two cores once the SmolLM2 conversion is cached
     "quick": {
@@ -92,6 +97,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pruning": PruningSizes(shapes=((16, 16), (1, 16)), repeats=5),
         "generate": GenerateSizes(new_tokens=32, repeats=3, copy_mib=256),
         "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048))),
+        "recovery": RecoverySizes(runs=(("smollm2-135m", 64, 1024, ()),
+                                        ("minilm-l6", 128, 2048, (("normalize", False),)))),
     },
     # for the tests: seconds, random tiny models only
     "tiny": {
@@ -107,6 +114,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "generate": GenerateSizes(model=TINY_LLAMA, prompt=4, new_tokens=8, repeats=3,
                                   copy_mib=4),
         "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4),
+        "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4),
     },
 }
 
