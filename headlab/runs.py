@@ -245,35 +245,32 @@ class _Stage:
                              log.info("  %.0f%% pruned: quality %.4g",
                                       100 * p.fraction_pruned, p.quality))
         curves[cfg.method] = res.curve
+        # the model stays as it came: the reference for timing, overview and repair
+        pruned = prune(copy_model(model), res.plan)
         latency = None
-        if main:  # the model as it came against a pruned copy
+        if main:
             log.info("timing the pruned model against the unpruned one")
-            pruned = prune(copy_model(model), res.plan)
             lat_s = min(cfg.latency_seq_len, self.seq_len)
             t_before, t_after = compare_latency(model, pruned, cfg.latency_batch, lat_s)
             latency = Latency(t_before, t_after, batch=cfg.latency_batch, seq_len=lat_s)
-            del pruned
         result_overview = self._overview() if main else None
-        reference = copy_model(model) if cfg.recover != "none" else None
-        prune(model, res.plan)
-        q_after = q_pruned = evaluate(model, self.heldout, batch_size=cfg.batch_size)
+        q_after = q_pruned = evaluate(pruned, self.heldout, batch_size=cfg.batch_size)
         recovery = None
-        if reference is not None:
+        if cfg.recover != "none":
             log.info("repairing the pruned model with %s", cfg.recover)
-            recovery = recover(model, reference, self.scoring, method=cfg.recover,
+            recovery = recover(pruned, model, self.scoring, method=cfg.recover,
                                batch_size=cfg.batch_size, **self._recover_options())
-            del reference
-            q_after = evaluate(model, self.heldout, batch_size=cfg.batch_size)
+            q_after = evaluate(pruned, self.heldout, batch_size=cfg.batch_size)
             log.info("  %s: %.4g pruned, %.4g repaired", q_after.metric, q_pruned.value,
                      q_after.value)
-        after = _Shape.of(model)
+        after = _Shape.of(pruned)
         if main:
-            model.save(self.out / "model")
+            pruned.save(self.out / "model")
         export_note = None
         if cfg.export == "hf" and main:
-            reason = hf_expressible(model)
+            reason = hf_expressible(pruned)
             if reason is None:
-                export_hf(model, self.out / "model-hf")
+                export_hf(pruned, self.out / "model-hf")
                 export_note = "model-hf/"
             else:
                 export_note = (f"not exported to HF format: {reason}; the headlab format is "
