@@ -50,10 +50,16 @@ def apply_rotary(
 ) -> torch.Tensor:
     """Rotary position embedding, half-split convention (as HF Llama after conversion).
 
-    x: (B, H, S, D); cos, sin: (B|1, S, D).
+    x: (B, H, S, D); cos, sin: (B|1, S, D_rot). With D_rot < D (partial rotary, as
+    GPT-NeoX's ``rotary_pct`` and Phi's ``partial_rotary_factor``) the first D_rot dims
+    of each head turn and the rest pass through.
     """
-    cos = cos[:, None]  # (B|1, 1, S, D)
+    cos = cos[:, None]  # (B|1, 1, S, D_rot)
     sin = sin[:, None]
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary: only the first D_rot dims turn
+        D_rot = cos.shape[-1]
+        return torch.cat((apply_rotary(x[..., :D_rot], cos[:, 0], sin[:, 0]),
+                          x[..., D_rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     # in rotated's own memory: autograd keeps neither it nor x for these products
@@ -76,6 +82,13 @@ class MultiHeadAttention(nn.Module):
         kv_index: the key/value head of each query head, for layouts left uneven by
             pruning (then n_heads need not be a multiple of n_kv_heads; 0 heads is
             allowed and the layer outputs W_O's bias).
+        q_norm, k_norm: norms applied to Q and K before rotary (QK-norm), or None.
+        qk_norm_scope: ``"head"``: the norms act on each head's D features (Qwen3,
+            Gemma-3; pruning leaves them as they are); ``"projection"``: on all H*D (or
+            H_kv*D) features at once (OLMo-2; pruning keeps the kept heads' weights, so
+            the statistics then run over the kept heads only).
+        softcap: attention logit soft-capping, scores -> softcap * tanh(scores /
+            softcap) before the mask (Gemma-2); forces the eager path.
 
     ``forward`` returns the (B, S, E) output, or ``(output, weights)`` with the per-head
     weights (B, H, S, T) when ``need_weights=True``.
@@ -93,6 +106,10 @@ class MultiHeadAttention(nn.Module):
         scale: float | None = None,
         dropout: float = 0.0,
         kv_index: Iterable[int] | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        qk_norm_scope: str = "head",
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -133,6 +150,12 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        if qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"qk_norm_scope must be 'head' or 'projection', got {qk_norm_scope!r}")
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+        self.qk_norm_scope = qk_norm_scope
+        self.softcap = softcap
 
         # original indices of the heads still present, and each query head's kv head
         self.register_buffer("head_ids", torch.arange(n_heads), persistent=True)
@@ -225,8 +248,8 @@ class MultiHeadAttention(nn.Module):
         if H == 0:
             return self._empty_output(x, past + S, need_weights)
 
-        q = self.q_proj(x).view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
-        k = self.k_proj(x).view(B, S, H_kv, D).transpose(1, 2)  # (B, H_kv, S, D)
+        q = self._project(self.q_proj, self.q_norm, x, H).transpose(1, 2)  # (B, H, S, D)
+        k = self._project(self.k_proj, self.k_norm, x, H_kv).transpose(1, 2)  # (B, H_kv, S, D)
         v = self.v_proj(x).view(B, S, H_kv, D).transpose(1, 2)  # (B, H_kv, S, D)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
@@ -240,7 +263,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # (B, H_kv, T, D)
 
-        eager = need_weights or self.scores._forward_hooks or self.pattern._forward_hooks
+        eager = (need_weights or self.scores._forward_hooks or self.pattern._forward_hooks
+                 or self.softcap is not None)
         if eager:
             z, weights = self._eager(q, k, v, mask)
         else:
@@ -265,6 +289,18 @@ class MultiHeadAttention(nn.Module):
         out = self.o_proj(z.reshape(B, S, H * D))  # (B, S, E)
         out = run_hook(self.out, out)
         return (out, weights) if need_weights else out
+
+    def _project(self, proj: nn.Linear, norm: nn.Module | None, x: torch.Tensor,
+                 heads: int) -> torch.Tensor:
+        """x (B, S, E) -> (B, S, heads, D) through ``proj`` and the QK-norm, if any."""
+        B, S, _ = x.shape
+        y = proj(x)  # (B, S, heads * D)
+        if norm is not None and self.qk_norm_scope == "projection":
+            y = norm(y)
+        y = y.view(B, S, heads, self.head_dim)
+        if norm is not None and self.qk_norm_scope == "head":
+            y = norm(y)
+        return y
 
     def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, T, D) -> (B, H, T, D) following kv_index (groups may be uneven)."""
@@ -296,6 +332,8 @@ class MultiHeadAttention(nn.Module):
         # scores in float32 for half inputs; float64 is not rounded down
         acc = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * self.scale  # (B,H,S,T)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask.bias is not None:
             scores = scores + mask.bias.to(acc)
         allowed = mask.allowed
@@ -375,6 +413,9 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = _slice_linear(self.k_proj, kv_rows, dim=0)
         self.v_proj = _slice_linear(self.v_proj, kv_rows, dim=0)
         self.o_proj = _slice_linear(self.o_proj, rows, dim=1)
+        if self.qk_norm_scope == "projection":
+            _slice_norm(self.q_norm, rows)
+            _slice_norm(self.k_norm, kv_rows)
 
         remap = {old: new for new, old in enumerate(kv_keep)}
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.head_ids.device)
@@ -451,3 +492,14 @@ def _slice_linear(lin: nn.Linear, index: torch.Tensor, *, dim: int) -> nn.Linear
             new.bias.copy_(new_bias)
     new.weight.requires_grad_(lin.weight.requires_grad)
     return new
+
+
+def _slice_norm(norm: nn.Module | None, index: torch.Tensor) -> None:
+    """Keep ``index`` of a projection-wide norm's weight (and bias), in place."""
+    if norm is None:
+        return
+    for name in ("weight", "bias"):
+        p = getattr(norm, name, None)
+        if isinstance(p, nn.Parameter):
+            setattr(norm, name, nn.Parameter(p.detach().index_select(0, index),
+                                             requires_grad=p.requires_grad))

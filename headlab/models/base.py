@@ -298,6 +298,9 @@ class WeightMap:
     splits: Mapping[str, tuple[str, ...]] = None  # type: ignore[assignment]
     ignore: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
+    # sizes along dim 0 of the pieces of a split whose parts differ (Phi-3's fused
+    # qkv_proj with fewer key/value heads); splits not named here are equal chunks
+    split_sizes: Mapping[str, tuple[int, ...]] = None  # type: ignore[assignment]
 
 
 def convert_state_dict(
@@ -319,6 +322,7 @@ def convert_state_dict(
     transforms = wmap.transforms or {}
 
     plan: dict[str, tuple[str, ...]] = {}  # hf key -> headlab key(s)
+    sizes: dict[str, tuple[int, ...]] = {}  # hf key -> sizes of its unequal pieces
     for hf_t, hl_t in wmap.single.items():
         plan[_with_prefix(prefix, hf_t)] = (hl_t,)
     for i in range(n_layers):
@@ -326,6 +330,8 @@ def convert_state_dict(
             plan[_with_prefix(prefix, hf_t.format(i))] = (hl_t.format(i),)
         for hf_t, parts in splits.items():
             plan[_with_prefix(prefix, hf_t.format(i))] = tuple(p.format(i) for p in parts)
+            if hf_t in (wmap.split_sizes or {}):
+                sizes[_with_prefix(prefix, hf_t.format(i))] = wmap.split_sizes[hf_t]
 
     optional = {_with_prefix(prefix, o) for o in wmap.optional}
     missing = sorted(k for k in plan if k not in hf_state and k not in optional)
@@ -347,7 +353,13 @@ def convert_state_dict(
         tensor = hf_state[hf_key]
         fn = _find_transform(transforms, hf_key)
         tensor = fn(tensor) if fn else tensor
-        pieces = tensor.chunk(len(targets), dim=0) if len(targets) > 1 else (tensor,)
+        if hf_key in sizes:
+            if sum(sizes[hf_key]) != tensor.shape[0]:
+                raise ValueError(f"{hf_key} has {tensor.shape[0]} rows, the config "
+                                 f"expects {' + '.join(map(str, sizes[hf_key]))}")
+            pieces = tensor.split(sizes[hf_key], dim=0)
+        else:
+            pieces = tensor.chunk(len(targets), dim=0) if len(targets) > 1 else (tensor,)
         for name, piece in zip(targets, pieces, strict=True):
             out[name] = piece
     return out

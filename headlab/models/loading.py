@@ -37,10 +37,22 @@ FAMILIES: dict[str, str] = {
     "bert": "headlab.models.bert",
     "llama": "headlab.models.llama",
     "mistral": "headlab.models.llama",
+    "qwen2": "headlab.models.qwen",
+    "qwen3": "headlab.models.qwen",
+    "gemma2": "headlab.models.gemma",
+    "gemma3_text": "headlab.models.gemma",
+    "gemma3": "headlab.models.gemma",
+    "phi3": "headlab.models.phi3",
+    "gpt_neox": "headlab.models.neox",
+    "olmo2": "headlab.models.olmo2",
 }
 # headlab family name -> module (for headlab-format directories)
 _FAMILY_MODULES = {"gpt2": "headlab.models.gpt2", "bert": "headlab.models.bert",
                    "llama": "headlab.models.llama"}
+_FAMILY_MODULES.update({"qwen2": "headlab.models.qwen", "qwen3": "headlab.models.qwen",
+                        "gemma2": "headlab.models.gemma", "gemma3": "headlab.models.gemma",
+                        "phi3": "headlab.models.phi3", "gpt_neox": "headlab.models.neox",
+                        "olmo2": "headlab.models.olmo2"})
 
 
 @dataclass(frozen=True)
@@ -179,7 +191,8 @@ def _rebuild(meta: dict, state: dict[str, torch.Tensor], path: Path) -> HeadMode
     if family not in _FAMILY_MODULES:
         raise ValueError(f"{path}: unknown family {family!r}; known: {sorted(_FAMILY_MODULES)}")
     module = importlib.import_module(_FAMILY_MODULES[family])
-    cls = module.MODEL_CLASS
+    # a module holding several families names each one's class in MODEL_CLASSES
+    cls = getattr(module, "MODEL_CLASSES", {}).get(family, module.MODEL_CLASS)
     config = cls.config_class.from_dict(meta["config"])
     model = cls(config, layout=meta["layout"], **meta.get("extra", {}))
     for attn, has_bias in zip(model.attentions, meta.get("out_bias") or [], strict=False):

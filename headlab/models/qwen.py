@@ -1,0 +1,96 @@
+"""Qwen2/2.5 and Qwen3 on headlab's decoder (`headlab.models.decoder`).
+
+Qwen2: Llama's blocks with biases on Q, K and V (none on W_O). Qwen3: no attention
+bias (unless ``attention_bias``), and a per-head RMSNorm on Q and K (``q_norm``,
+``k_norm`` of size D) before rotary. Both may slide a window on some layers:
+``layer_types``, or with ``use_sliding_window`` the layers from ``max_window_layers`` on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headlab.models.base import WeightMap
+from headlab.models.decoder import (
+    Decoder,
+    DecoderConfig,
+    build,
+    read_rope,
+    shared_fields,
+    sliding_layers,
+)
+
+MODEL_TYPES = ("qwen2", "qwen3")
+
+_LAYER = {
+    "layers.{}.self_attn.q_proj.weight": "blocks.{}.attn.q_proj.weight",
+    "layers.{}.self_attn.k_proj.weight": "blocks.{}.attn.k_proj.weight",
+    "layers.{}.self_attn.v_proj.weight": "blocks.{}.attn.v_proj.weight",
+    "layers.{}.self_attn.o_proj.weight": "blocks.{}.attn.o_proj.weight",
+    "layers.{}.mlp.gate_proj.weight": "blocks.{}.mlp.gate_proj.weight",
+    "layers.{}.mlp.up_proj.weight": "blocks.{}.mlp.up_proj.weight",
+    "layers.{}.mlp.down_proj.weight": "blocks.{}.mlp.down_proj.weight",
+    "layers.{}.input_layernorm.weight": "blocks.{}.attn_norm.weight",
+    "layers.{}.post_attention_layernorm.weight": "blocks.{}.mlp_norm.weight",
+}
+_QKV_BIAS = {f"layers.{{}}.self_attn.{p}.bias": f"blocks.{{}}.attn.{p}.bias"
+             for p in ("q_proj", "k_proj", "v_proj")}
+_O_BIAS = {"layers.{}.self_attn.o_proj.bias": "blocks.{}.attn.o_proj.bias"}
+_QK_NORM = {"layers.{}.self_attn.q_norm.weight": "blocks.{}.attn.q_norm.weight",
+            "layers.{}.self_attn.k_norm.weight": "blocks.{}.attn.k_norm.weight"}
+_SINGLE = {"embed_tokens.weight": "embed_tokens.weight", "norm.weight": "norm.weight",
+           "^lm_head.weight": "lm_head.weight"}
+
+
+def _weight_map(cfg: DecoderConfig) -> WeightMap:
+    per_layer = dict(_LAYER)
+    if cfg.qkv_bias:
+        per_layer.update(_QKV_BIAS)
+    if cfg.out_bias:
+        per_layer.update(_O_BIAS)
+    if cfg.qk_norm:
+        per_layer.update(_QK_NORM)
+    return WeightMap(per_layer=per_layer, single=_SINGLE,
+                     ignore=(r"rotary_emb\.inv_freq$",),
+                     optional=("^lm_head.weight",) if cfg.tie_word_embeddings else ())
+
+
+def read_config(hf: dict) -> DecoderConfig:
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {MODEL_TYPES}")
+    qwen3 = model_type == "qwen3"
+    bias = bool(hf.get("attention_bias", False)) if qwen3 else True
+    layer_types = sliding_layers(hf)
+    rope = read_rope(hf)
+    return DecoderConfig(
+        **shared_fields(hf), norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
+        act=hf.get("hidden_act", "silu"), qkv_bias=bias, out_bias=bias and qwen3,
+        qk_norm="head" if qwen3 else None, layer_types=layer_types,
+        sliding_window=hf.get("sliding_window") if layer_types else None,
+        rope={"full_attention": rope, "sliding_attention": rope},
+    )
+
+
+class Qwen2(Decoder):
+    """Qwen2/2.5: ``forward`` returns logits (B, S, V)."""
+
+    family = "qwen2"
+    weight_map = staticmethod(_weight_map)
+
+
+class Qwen3(Qwen2):
+    """Qwen3: per-head QK RMSNorm; ``attention_bias`` switches all four biases."""
+
+    family = "qwen3"
+    hf_attention_bias_key = "attention_bias"
+
+
+def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) -> Qwen2:
+    cfg = read_config(hf_config)
+    cls = Qwen3 if hf_config["model_type"] == "qwen3" else Qwen2
+    return build(cls, cfg, hf_state, prefixes=("model.", ""))
+
+
+MODEL_CLASS = Qwen2
+MODEL_CLASSES = {"qwen2": Qwen2, "qwen3": Qwen3}

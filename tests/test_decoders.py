@@ -1,0 +1,272 @@
+"""The decoder families on headlab's attention, each against transformers itself:
+Qwen2, Qwen3, Mistral, Gemma-2, Gemma-3 (text), Phi-3, GPT-NeoX (parallel and
+sequential residual), OLMo-2.
+
+Every case is a random-weight checkpoint that transformers builds and writes with
+``save_pretrained`` (2 layers, E = 64, float32), read back with ``headlab.load``.
+Windowed families slide a window of 4 over prompts of 12 tokens, so the window cuts.
+Shape notation: B batch, S sequence, H heads, T keys, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from torch.testing import assert_close
+
+from headlab.models import load
+from headlab.models.export import export_hf, hf_expressible
+
+LOGITS = {"rtol": 0.0, "atol": 1e-4}  # float32 logits against transformers
+WEIGHTS = {"rtol": 0.0, "atol": 1e-5}  # attention weights; cache vs recompute; gate vs prune
+GRAD = {"rtol": 1e-4, "atol": 1e-9}  # the same float32 gradients, batched differently
+
+_SMALL = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=128, bos_token_id=None,
+              eos_token_id=None, pad_token_id=None)
+_SLIDE = ["full_attention", "sliding_attention"]
+CASES = {
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM,
+              dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                   max_window_layers=1)),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM,
+              dict(num_key_value_heads=2, head_dim=24, use_sliding_window=True,
+                   sliding_window=4, layer_types=_SLIDE)),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM,
+                dict(num_key_value_heads=2, sliding_window=4)),
+    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+               dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
+                    query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                    final_logit_softcapping=3.0)),
+    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+               dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
+                    query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={
+                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                           "rope_theta": 1e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM,
+             dict(num_key_value_heads=2, sliding_window=4,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                   "partial_rotary_factor": 0.5})),
+    "neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(use_parallel_residual=True)),
+    "neox-sequential": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
+                        dict(use_parallel_residual=False, hidden_act="gelu_new",
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                              "partial_rotary_factor": 0.5})),
+    "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, dict(num_key_value_heads=2)),
+}
+WINDOWED = {"qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"}
+# the pruned shape has no HF config, or the norm spans the pruned heads (module docs)
+NO_EXPORT = {"neox", "neox-sequential"}
+PRUNE_IS_NOT_GATE = {"olmo2"}
+
+
+def _checkpoint(directory, case: str, **override) -> str:
+    """A random-weight HF checkpoint, weights large enough that attention is far from
+    uniform (HF's init, std 0.02, would make every head look alike)."""
+    cfg_class, model_class, extra = CASES[case]
+    torch.manual_seed(0)
+    model = model_class(cfg_class(**{**_SMALL, **extra, **override}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                base = 0.0 if case.startswith("gemma") else 1.0  # Gemma scales by 1 + w
+                p.copy_(base + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def _hf(directory: str):
+    return tf.AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 12 tokens: full, left-padded by 3, right-padded by 2."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, _SMALL["vocab_size"], (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, -2:] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    """(case, checkpoint dir, headlab model, transformers model) per family."""
+    directory = _checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, directory, load(directory, tokenizer=False), _hf(directory)
+
+
+def _patterns(model, ids, mask) -> dict[int, torch.Tensor]:
+    captured: dict[int, torch.Tensor] = {}
+    handles = [block.attn.pattern.register_forward_hook(
+        lambda _m, _i, out, layer=i: captured.__setitem__(layer, out))
+        for i, block in enumerate(model.blocks)]
+    try:
+        with torch.no_grad():
+            model(ids, mask)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+# ---------------------------------------------------------------------- references
+def test_logits_and_patterns_match_transformers(pair):
+    case, _, model, hf = pair
+    ids, mask = _batch()
+    valid = mask.bool()  # padded query positions are not compared
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask, output_attentions=True)
+        assert_close(model(ids, mask).logits[valid], expected.logits[valid], **LOGITS)
+        assert_close(model(ids).logits, hf(ids).logits, **LOGITS)  # no padding
+    patterns = _patterns(model, ids, mask)
+    assert len(patterns) == len(expected.attentions) == 2
+    for layer, ref in enumerate(expected.attentions):  # (B, H, S, T) each
+        got = patterns[layer]
+        assert got.shape == ref.shape
+        assert_close(got.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], **WEIGHTS)
+    if case in WINDOWED:  # the window is shorter than the prompt
+        assert model.config.sliding_window == 4 < ids.shape[1]
+
+
+def test_cached_decoding_equals_recompute(pair):
+    _, _, model, _ = pair
+    ids, _ = _batch()
+    ids = ids[:2]
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding rides along in the cache
+    cache = model.new_cache()
+    with torch.no_grad():
+        step = model(ids[:, :5], mask[:, :5], cache=cache).logits[:, -1]
+        for t in range(5, ids.shape[1] + 1):
+            full = model(ids[:, :t], mask[:, :t]).logits[:, -1]
+            assert_close(step, full, **WEIGHTS)
+            if t < ids.shape[1]:
+                step = model(ids[:, t:t + 1], mask[:, :t + 1], cache=cache).logits[:, -1]
+    assert cache.length == ids.shape[1]
+
+
+def test_greedy_generation_matches_transformers(pair):
+    _, _, model, hf = pair
+    ids, _ = _batch()
+    prompt = ids[:1, :6]  # 6 + 32 tokens: the window slides on through the cache
+    expected = hf.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                           pad_token_id=0)
+    got = model.generate(prompt, max_new_tokens=32, eos_token_id=())
+    assert got.shape == (1, 38)
+    assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------------- pruning
+def test_gated_heads_equal_pruned_heads(pair):
+    case, _, model, _ = pair
+    ids, mask = _batch()
+    valid = mask.bool()
+    heads = {0: [0, 3], 1: [1]}
+    gated, pruned = copy.deepcopy(model), copy.deepcopy(model)
+    gated.mask_heads(heads)
+    pruned.prune_heads(heads)
+    assert pruned.heads_per_layer == [2, 3]
+    with torch.no_grad():
+        g, p = gated(ids, mask).logits[valid], pruned(ids, mask).logits[valid]
+    if case in PRUNE_IS_NOT_GATE:
+        # the QK-norm's statistic now runs over the kept heads only: a real difference
+        assert (g - p).abs().max() > 1e-3
+    else:
+        assert_close(p, g, **WEIGHTS)
+
+
+def test_olmo2_pruned_equals_gated_with_the_norm_over_kept_heads(tmp_path):
+    """What does hold for OLMo-2: the pruned layer is the gated layer whose QK-norm
+    statistic runs over the kept heads, computed here by hand from the gated model."""
+    model = load(_checkpoint(tmp_path, "olmo2"), tokenizer=False)
+    ids, mask = _batch()
+    pruned = copy.deepcopy(model)
+    pruned.prune_heads({0: [0, 1]})  # the whole first group: 2 of 4 heads, 1 of 2 kv
+    attn = model.blocks[0].attn
+    D = attn.head_dim
+    q_keep, kv_keep = torch.arange(2 * D, 4 * D), torch.arange(D, 2 * D)
+
+    def kept_stat(norm, rows):
+        def hook(_m, args):
+            (x,) = args  # (B, S, H*D): RMS over the kept rows, applied to every row
+            rms = x[..., rows].pow(2).mean(-1, keepdim=True).add(norm.eps).rsqrt()
+            return norm.weight * (x * rms)
+        return hook
+
+    model.mask_heads({0: [0, 1]})
+    with torch.no_grad():
+        attn.q_norm.forward = lambda x: kept_stat(attn.q_norm, q_keep)(None, (x,))
+        attn.k_norm.forward = lambda x: kept_stat(attn.k_norm, kv_keep)(None, (x,))
+        assert_close(pruned(ids, mask).logits, model(ids, mask).logits, **WEIGHTS)
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - NO_EXPORT))
+def test_export_round_trips_through_transformers(case, tmp_path):
+    model = load(_checkpoint(tmp_path / "src", case), tokenizer=False)
+    model.prune_heads({0: [0, 1], 1: [2, 3]})  # a whole GQA group in each layer
+    assert hf_expressible(model) is None
+    reloaded = _hf(str(export_hf(model, tmp_path / "hf")))
+    assert reloaded.config.num_attention_heads == 2
+    ids, mask = _batch()
+    valid = mask.bool()
+    with torch.no_grad():
+        assert_close(reloaded(ids, attention_mask=mask).logits[valid],
+                     model(ids, mask).logits[valid], **LOGITS)
+
+
+def test_gpt_neox_says_why_it_does_not_export(tmp_path):
+    model = load(_checkpoint(tmp_path, "neox"), tokenizer=False)
+    assert "hidden_size / num_attention_heads" in hf_expressible(model)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "phi3", "olmo2"])
+def test_save_load_round_trip_of_pruned_model(case, tmp_path):
+    model = load(_checkpoint(tmp_path / "src", case), tokenizer=False)
+    model.prune_heads({0: [1], 1: [0, 1, 2]})
+    reloaded = load(model.save(tmp_path / "saved"), tokenizer=False)
+    assert type(reloaded) is type(model) and reloaded.heads_per_layer == [3, 1]
+    ids, mask = _batch()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, mask).logits, model(ids, mask).logits)
+
+
+# ---------------------------------------------------------------------- scores
+def _per_example_gate_grads(model, examples: torch.Tensor) -> torch.Tensor:
+    """dL(x)/d gate for each example x alone: (N, L, H), autograd on (H,) leaves."""
+    out = []
+    for x in examples:
+        gates = []
+        for attn in model.attentions:
+            g = attn.head_gate.detach().clone().requires_grad_(True)
+            attn.gate_override = g
+            gates.append(g)
+        try:
+            logp = model(x[None]).logits[0, :-1].log_softmax(-1)  # (S-1, V)
+            (-logp.gather(-1, x[1:, None]).mean()).backward()
+        finally:
+            for attn in model.attentions:
+                attn.gate_override = None
+        out.append(torch.stack([g.grad.double() for g in gates]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_michel_equals_per_example_brute_force(case, tmp_path):
+    from headlab.data import Blocks
+    from headlab.importance import score
+
+    model = load(_checkpoint(tmp_path, case), tokenizer=False)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, _SMALL["vocab_size"], (4, 10), generator=g)
+    blocks = Blocks(input_ids=ids, attention_mask=torch.ones_like(ids))
+    michel = score(model, blocks, method="michel", batch_size=3, normalize=False)
+    assert_close(michel.tensor(), _per_example_gate_grads(model, ids).abs().mean(0), **GRAD)
