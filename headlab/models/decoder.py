@@ -49,7 +49,10 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_fast": lambda x: F.gelu(x, approximate="tanh")}
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_TYPES = ("default", "linear", "llama3")
+# rope_type -> the keys its parameters must hold besides rope_theta
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}
 
 
 @dataclass
@@ -125,7 +128,10 @@ class DecoderConfig(FamilyConfig):
             kind = rope.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 raise ValueError(f"rope_type {kind!r} ({layer_type}) is not supported; "
-                                 f"headlab supports {ROPE_TYPES}")
+                                 f"headlab supports {sorted(ROPE_TYPES)}")
+            missing = [k for k in ROPE_TYPES[kind] if k not in rope]
+            if missing:
+                raise ValueError(f"rope of type {kind!r} ({layer_type}) lacks {missing}")
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, None for full attention."""

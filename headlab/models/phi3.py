@@ -48,7 +48,7 @@ def read_config(hf: dict) -> DecoderConfig:
         raise ValueError(f"model_type {hf.get('model_type')!r} is not one of {MODEL_TYPES}")
     fields = shared_fields(hf)
     rope = read_rope(hf)
-    if rope["rope_type"] == "longrope":
+    if rope["rope_type"] in ("longrope", "su", "yarn"):
         raise ValueError("Phi-3 longrope scaling (the 128k-context variants) is not "
                          "supported; the 4k-context Phi-3 models load")
     params = hf.get("rope_parameters") or {}
