@@ -259,6 +259,27 @@ def test_export_round_trips_through_transformers(pair, tmp_path):
                      model(ids, mask).logits[valid], **LOGITS)
 
 
+@pytest.mark.parametrize("case", ["qwen2", "qwen3"])
+def test_a_recovered_out_bias_exports_where_the_family_can_hold_one(case, tmp_path):
+    """Qwen3's attention_bias switches on all four biases (zeros where none were);
+    Qwen2 has biases on Q, K, V and never on W_O, so the export says why not."""
+    model = load(_checkpoint(tmp_path / "src", case), tokenizer=False)
+    model.prune_heads({0: [0, 1], 1: [0, 1]})
+    with torch.no_grad():
+        for a in model.attentions:
+            a.ensure_out_bias().normal_(0.0, 0.1)
+    if case == "qwen2":
+        assert "recovery gave W_O a bias" in hf_expressible(model)
+        return
+    reloaded = _hf(str(export_hf(model, tmp_path / "hf")))
+    assert reloaded.config.attention_bias
+    ids, mask = _batch()
+    valid = mask.bool()
+    with torch.no_grad():
+        assert_close(reloaded(ids, attention_mask=mask).logits[valid],
+                     model(ids, mask).logits[valid], **LOGITS)
+
+
 @pytest.mark.parametrize("case", ["phi3", "olmo2"])
 def test_save_load_round_trip_of_pruned_model(case, tmp_path):
     model = load(_checkpoint(tmp_path / "src", case), tokenizer=False)

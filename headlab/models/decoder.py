@@ -387,8 +387,19 @@ class Decoder(DecoderLM):
         return x, masks, rotary
 
     # ---------------------------------------------------------------- HF export
-    hf_export_unsupported = None
     hf_prefix: ClassVar[str] = "model."
+    _hf_export_unsupported: ClassVar[str | None] = None  # a family without any export
+
+    @property
+    def hf_export_unsupported(self) -> str | None:  # type: ignore[override]
+        """Why this model has no HF export: the family's reason, or a W_O bias that
+        recovery added where the family's HF config has no switch for one."""
+        if self._hf_export_unsupported or self.hf_attention_bias_key or self.config.out_bias:
+            return self._hf_export_unsupported
+        if any(a.o_proj.bias is not None for a in self.attentions):
+            return (f"recovery gave W_O a bias, which the HF {self.family} config cannot "
+                    "hold; repair with --recover none or rescale to export")
+        return None
 
     @staticmethod
     def weight_map(cfg: DecoderConfig) -> WeightMap:
@@ -406,13 +417,9 @@ class Decoder(DecoderLM):
                  if not k.endswith(("head_ids", "kv_head_ids", "kv_index", "head_gate"))}
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
+        if self.hf_export_unsupported:
+            raise UserError(f"{self.family}: {self.hf_export_unsupported}")
         if not cfg.out_bias and any(a.o_proj.bias is not None for a in self.attentions):
-            if self.hf_attention_bias_key is None:
-                raise UserError(
-                    f"{self.family}: recovery gave W_O a bias, which the HF {self.family} "
-                    "config cannot hold; export a model repaired with --recover none or "
-                    "rescale, or keep headlab's format"
-                )
             # HF turns on all attention biases at once: zeros leave the function as it is
             hf[self.hf_attention_bias_key] = True
             cfg = replace(cfg, qkv_bias=True, out_bias=True)

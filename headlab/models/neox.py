@@ -88,7 +88,7 @@ class GPTNeoX(Decoder):
     family = "gpt_neox"
     weight_map = staticmethod(_weight_map)
     hf_prefix = "gpt_neox."
-    hf_export_unsupported = ("HF GPT-NeoX derives the head size from hidden_size / "
+    _hf_export_unsupported = ("HF GPT-NeoX derives the head size from hidden_size / "
                              "num_attention_heads, so fewer heads do not fit its config")
 
 
