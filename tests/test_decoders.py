@@ -137,6 +137,33 @@ def test_logits_and_patterns_match_transformers(pair):
         assert model.config.sliding_window == 4 < ids.shape[1]
 
 
+def test_hooks_have_the_shared_names_and_shapes(pair):
+    """Every hook of every block, at the names and shapes all headlab models share; the
+    residual stream after block 0 equals transformers' hidden state after layer 0."""
+    from headlab.hooks import capture
+
+    _, _, model, hf = pair
+    ids, _ = _batch()
+    B, S = ids.shape
+    H, H_kv, D, E = (model.n_original_heads, model.kv_heads_per_layer[0], model.head_dim,
+                     model.config.hidden_size)
+    names = ["q", "k", "v", "scores", "pattern", "z", "out"]
+    with capture(model, [f"blocks.*.attn.{n}" for n in names] + ["blocks.*.resid_post"]) as cap, \
+            torch.no_grad():
+        model(ids)
+        expected = hf(ids, output_hidden_states=True).hidden_states
+    shapes = {"q": (B, S, H, D), "k": (B, S, H_kv, D), "v": (B, S, H_kv, D),
+              "scores": (B, H, S, S), "pattern": (B, H, S, S), "z": (B, S, H, D),
+              "out": (B, S, E)}
+    for layer in range(2):
+        for name, shape in shapes.items():
+            assert tuple(cap[f"blocks.{layer}.attn.{name}"].shape) == shape, name
+    attn = model.blocks[0].attn
+    assert_close(cap["blocks.0.attn.out"], attn.o_proj(cap["blocks.0.attn.z"].flatten(2)),
+                 **WEIGHTS)
+    assert_close(cap["blocks.0.resid_post"], expected[1], **LOGITS)
+
+
 def test_cached_decoding_equals_recompute(pair):
     _, _, model, _ = pair
     ids, _ = _batch()
