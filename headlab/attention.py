@@ -54,12 +54,11 @@ def apply_rotary(
     GPT-NeoX's ``rotary_pct`` and Phi's ``partial_rotary_factor``) the first D_rot dims
     of each head turn and the rest pass through.
     """
-    cos = cos[:, None]  # (B|1, 1, S, D_rot)
+    D_rot = cos.shape[-1]
+    if D_rot < x.shape[-1]:  # partial rotary: only the first D_rot dims turn
+        return torch.cat((apply_rotary(x[..., :D_rot], cos, sin), x[..., D_rot:]), dim=-1)
+    cos = cos[:, None]  # (B|1, 1, S, D)
     sin = sin[:, None]
-    if cos.shape[-1] < x.shape[-1]:  # partial rotary: only the first D_rot dims turn
-        D_rot = cos.shape[-1]
-        return torch.cat((apply_rotary(x[..., :D_rot], cos[:, 0], sin[:, 0]),
-                          x[..., D_rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     # in rotated's own memory: autograd keeps neither it nor x for these products

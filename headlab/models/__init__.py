@@ -1,4 +1,4 @@
-"""headlab's model families (GPT-2, BERT, Llama) and `load`."""
+"""headlab's model families (GPT-2, BERT, Llama and the decoders of `models.decoder`) and `load`."""
 
 from headlab.models.base import Cache, HeadModel, ModelOutput
 from headlab.models.loading import BUNDLED, ModelNotFoundError, load
