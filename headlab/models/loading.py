@@ -37,10 +37,13 @@ FAMILIES: dict[str, str] = {
     "bert": "headlab.models.bert",
     "llama": "headlab.models.llama",
     "mistral": "headlab.models.llama",
+    "roberta": "headlab.models.roberta",
+    "xlm-roberta": "headlab.models.roberta",
 }
 # headlab family name -> module (for headlab-format directories)
 _FAMILY_MODULES = {"gpt2": "headlab.models.gpt2", "bert": "headlab.models.bert",
                    "llama": "headlab.models.llama"}
+_FAMILY_MODULES["roberta"] = "headlab.models.roberta"
 
 
 @dataclass(frozen=True)

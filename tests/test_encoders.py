@@ -1,0 +1,150 @@
+"""Tests for the encoder families beside BERT (headlab.models.roberta, ...): each rebuilt
+model computes what transformers' computes.
+
+References: random-weight checkpoints of every head (encoder, MLM, classifier) written
+by transformers (tests/_encoders.py), compared in float32 with and without padding,
+per-layer attention weights against eager ``output_attentions``; Michel scores against
+per-example autograd on fresh gate leaves. Equivalences: save -> load, pruned == gated.
+
+Shape notation: B batch, S sequence length, H heads, E model dim, V vocabulary, C classes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _encoders import FAMILIES, VOCAB, batch, load_hf, write_checkpoint
+from torch.testing import assert_close
+
+from headlab.data import Blocks
+from headlab.errors import UserError
+from headlab.importance import score
+from headlab.models import load
+from headlab.models.export import export_hf
+
+F32 = torch.float32
+HEADS = ("encoder", "mlm", "classifier")
+KINDS = {"encoder": "embedding", "mlm": "masked-lm", "classifier": "classifier"}
+NAMES = sorted(FAMILIES)
+
+
+def _run(model, ids, mask):
+    with torch.no_grad():
+        out = model(ids, mask)
+    return out.logits if out.logits is not None else out.embeddings
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "full"])
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("family", NAMES)
+def test_matches_transformers(tmp_path, family, head, padded):
+    directory = write_checkpoint(tmp_path, family, head)
+    model = load(directory, tokenizer=False)
+    assert (model.family, model.kind) == (FAMILIES[family].name.replace("xlm-", ""), KINDS[head])
+    hf = load_hf(directory, family, head, impl="sdpa")
+    ids, mask = batch(family, padded=padded)
+    valid = mask.bool()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        out = model(ids, mask)
+    hidden = ref.hidden_states[-1]
+    assert_close(out.last_hidden_state[valid], hidden[valid], atol=1e-4, rtol=0)
+    if head == "mlm":
+        assert out.logits.shape == (4, ids.shape[1], VOCAB)
+        assert_close(out.logits[valid], ref.logits[valid], atol=1e-4, rtol=0)
+    elif head == "classifier":
+        assert out.logits.shape == (4, 3)
+        assert_close(out.logits, ref.logits, atol=1e-4, rtol=0)
+    else:
+        m = mask[..., None].to(F32)
+        assert_close(out.embeddings, (hidden * m).sum(1) / m.sum(1), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_attention_patterns_match_eager_output_attentions(tmp_path, family):
+    directory = write_checkpoint(tmp_path, family, "mlm")
+    model = load(directory, tokenizer=False)
+    hf = load_hf(directory, family, "mlm", impl="eager")
+    ids, mask = batch(family)
+    valid = mask.bool()
+    captured: dict[int, torch.Tensor] = {}
+    handles = [b.attn.pattern.register_forward_hook(
+        lambda _m, _i, out, i=i: captured.__setitem__(i, out.detach()))
+        for i, b in enumerate(model.blocks)]
+    try:
+        with torch.no_grad():
+            model(ids, mask)
+            ref = hf(input_ids=ids, attention_mask=mask, output_attentions=True)
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(captured) == list(range(model.n_layers))
+    for i, weights in captured.items():
+        assert weights.shape == (4, model.heads_per_layer[i], *ids.shape[1:], ids.shape[1])
+        ours, theirs = weights.transpose(1, 2)[valid], ref.attentions[i].transpose(1, 2)[valid]
+        assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("family", NAMES)
+def test_save_load_and_pruned_equals_gated(tmp_path, family, head):
+    model = load(write_checkpoint(tmp_path, family, head), tokenizer=False)
+    ids, mask = batch(family)
+    before = _run(model, ids, mask)
+    reloaded = load(model.save(tmp_path / "saved"), tokenizer=False)
+    assert (reloaded.family, reloaded.kind) == (model.family, model.kind)
+    assert_close(_run(reloaded, ids, mask), before, atol=0, rtol=0)
+
+    plan = {0: [1, 3], 1: list(range(model.n_original_heads))}  # layer 1 loses all
+    gated = copy.deepcopy(model)
+    gated.mask_heads(plan)
+    model.prune_heads(plan)
+    assert model.heads_per_layer == [model.n_original_heads - 2, 0]
+    pruned = _run(model, ids, mask)
+    assert_close(pruned, _run(gated, ids, mask), atol=1e-5, rtol=0)
+    assert not torch.allclose(pruned, before, atol=1e-4)
+    reloaded = load(model.save(tmp_path / "pruned"), tokenizer=False)
+    assert reloaded.head_ids() == model.head_ids()
+    assert_close(_run(reloaded, ids, mask), pruned, atol=0, rtol=0)
+
+
+def _mlm_blocks(family: str) -> Blocks:
+    """Padded blocks with 2-3 masked-token labels per row (-100 elsewhere)."""
+    ids, mask = batch(family, seed=3)
+    labels = torch.full_like(ids, -100)
+    for row, cols in enumerate([[1, 5, 9], [2, 4], [6, 8, 10], [0]]):
+        labels[row, cols] = ids[row, cols]
+    return Blocks(ids, mask, labels, "test")
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_michel_equals_per_example_brute_force(tmp_path, family):
+    model = load(write_checkpoint(tmp_path, family, "mlm", std=0.1), tokenizer=False)
+    blocks = _mlm_blocks(family)
+    expected = []
+    for ids, mask, labels in zip(blocks.input_ids, blocks.attention_mask, blocks.labels,
+                                 strict=True):
+        gates = [a.head_gate.detach().clone().requires_grad_(True) for a in model.attentions]
+        for a, g in zip(model.attentions, gates, strict=True):
+            a.gate_override = g
+        try:
+            logits = model(ids[None], mask[None]).logits[0]  # (S, V)
+            scored = labels != -100
+            nll = -logits[scored].log_softmax(-1).gather(-1, labels[scored, None])
+            nll.mean().backward()
+        finally:
+            for a in model.attentions:
+                a.gate_override = None
+        expected.append(torch.stack([g.grad.double().abs() for g in gates]))  # (L, H)
+    michel = score(model, blocks, method="michel", batch_size=3, normalize=False)
+    assert_close(michel.tensor(), torch.stack(expected).mean(0), rtol=1e-4, atol=1e-9)
+    assert michel.n_tokens == int((blocks.labels != -100).sum())
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_hf_export_is_refused_with_the_reason(tmp_path, family):
+    model = load(write_checkpoint(tmp_path, family, "mlm"), tokenizer=False)
+    with pytest.raises(UserError, match="head size"):
+        export_hf(model, tmp_path / "hf")
