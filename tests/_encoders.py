@@ -43,6 +43,12 @@ FAMILIES = {
              eos_token_id=2, hidden_act="gelu_new"),
         {"encoder": transformers.XLMRobertaModel, "mlm": transformers.XLMRobertaForMaskedLM,
          "classifier": transformers.XLMRobertaForSequenceClassification}, pad=1),
+    "distilbert": Family(
+        "distilbert", transformers.DistilBertConfig,
+        dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+             max_position_embeddings=24, num_labels=3, pad_token_id=0, activation="gelu"),
+        {"encoder": transformers.DistilBertModel, "mlm": transformers.DistilBertForMaskedLM,
+         "classifier": transformers.DistilBertForSequenceClassification}, pad=0),
 }
 
 

@@ -22,6 +22,8 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 TOKENS = {
     "roberta": (["<s>", "<pad>", "</s>", "<unk>", "<mask>"], "<s>", "</s>", "<pad>", "<mask>",
                 "<unk>", {"max_position_embeddings": 66}),
+    "distilbert": (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], "[CLS]", "[SEP]", "[PAD]",
+                   "[MASK]", "[UNK]", {"max_position_embeddings": 64}),
 }
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from headlab.models.base import convert_state_dict, load_into
+
 ACTIVATIONS = {
     "gelu": F.gelu,  # exact (erf) GELU, as HF's "gelu"
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -94,3 +96,41 @@ def _pooling_mode(cfg: dict, where: Path) -> str:
             f"of {POOLINGS}"
         )
     return modes[0]
+
+
+def head_of(hf_config: dict, hf_state: dict[str, torch.Tensor], *, family: str,
+            architectures: dict[str, str], mlm_prefix: str) -> str:
+    """The head ("mlm", "classifier", "none") from the config's architectures, else
+    from which keys are present (``mlm_prefix`` starts the MLM head's keys)."""
+    archs = hf_config.get("architectures") or []
+    unknown = [a for a in archs if a not in architectures]
+    if unknown:
+        raise ValueError(
+            f"{family} architecture {unknown[0]!r} is not supported; supported: "
+            f"{sorted(architectures)}"
+        )
+    if archs:
+        return architectures[archs[0]]
+    if any(k.startswith("classifier.") for k in hf_state):
+        return "classifier"
+    if any(k.startswith(mlm_prefix) for k in hf_state):
+        return "mlm"
+    return "none"
+
+
+def build(model_class, cfg, hf_config: dict, hf_state: dict[str, torch.Tensor], *,
+          head: str, wmap, prefixes: tuple[str, ...], path, what: str):
+    """An encoder of ``model_class`` with ``head``, its weights converted by ``wmap``;
+    ``path``, the checkpoint directory, tells whether it is a sentence-transformers
+    model and how it pools."""
+    if head == "mlm" and hf_config.get("tie_word_embeddings", True) is False:
+        raise ValueError(
+            f"{what}s of a masked LM with tie_word_embeddings=false are not supported: "
+            "headlab's MLM decoder is the word embedding matrix"
+        )
+    st = sentence_transformers_pooling(path) if head == "none" else None
+    pooling, normalize = st or ("mean", False)
+    model = model_class(cfg, head=head, pooling=pooling, normalize=normalize)
+    state = convert_state_dict(hf_state, wmap, cfg.num_hidden_layers, prefixes=prefixes)
+    load_into(model, state, what=what)
+    return model

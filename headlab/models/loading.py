@@ -39,11 +39,13 @@ FAMILIES: dict[str, str] = {
     "mistral": "headlab.models.llama",
     "roberta": "headlab.models.roberta",
     "xlm-roberta": "headlab.models.roberta",
+    "distilbert": "headlab.models.distilbert",
 }
 # headlab family name -> module (for headlab-format directories)
 _FAMILY_MODULES = {"gpt2": "headlab.models.gpt2", "bert": "headlab.models.bert",
                    "llama": "headlab.models.llama"}
-_FAMILY_MODULES["roberta"] = "headlab.models.roberta"
+_FAMILY_MODULES.update(roberta="headlab.models.roberta",
+                       distilbert="headlab.models.distilbert")
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.models.base import WeightMap, convert_state_dict, load_into
+from headlab.models.base import WeightMap
 from headlab.models.bert import _BACKBONE, Bert, BertConfig
-from headlab.models.encoder import sentence_transformers_pooling
+from headlab.models.encoder import build, head_of
 
 MODEL_TYPES = ("roberta", "xlm-roberta")
 # HF architecture -> headlab head
@@ -111,43 +111,15 @@ def weight_map(head: str) -> WeightMap:
                      ignore=_BACKBONE.ignore + ignore)
 
 
-def _head_of(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> str:
-    """The head, from the config's architectures, else from which keys are present."""
-    archs = hf_config.get("architectures") or []
-    unknown = [a for a in archs if a not in _ARCHITECTURES]
-    if unknown:
-        raise ValueError(
-            f"RoBERTa architecture {unknown[0]!r} is not supported; supported: "
-            f"{sorted(_ARCHITECTURES)}"
-        )
-    if archs:
-        return _ARCHITECTURES[archs[0]]
-    if any(k.startswith("classifier.") for k in hf_state):
-        return "classifier"
-    if any(k.startswith("lm_head.") for k in hf_state):
-        return "mlm"
-    return "none"
-
-
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) -> Roberta:
     """Build a Roberta from an HF config dict and state dict ((XLM)RobertaModel,
     ForMaskedLM, ForSequenceClassification); ``path``, the checkpoint directory, tells
     whether it is a sentence-transformers model and how it pools."""
     cfg = RobertaConfig.from_hf(hf_config)
-    head = _head_of(hf_config, hf_state)
-    if head == "mlm" and hf_config.get("tie_word_embeddings", True) is False:
-        raise ValueError(
-            "RoBERTa masked-LM checkpoints with tie_word_embeddings=false are not "
-            "supported: headlab's MLM decoder is the word embedding matrix"
-        )
-    st = sentence_transformers_pooling(path) if head == "none" else None
-    pooling, normalize = st or ("mean", False)
-    model = Roberta(cfg, head=head, pooling=pooling, normalize=normalize)
-    state = convert_state_dict(
-        hf_state, weight_map(head), cfg.num_hidden_layers, prefixes=("roberta.", "")
-    )
-    load_into(model, state, what="RoBERTa checkpoint")
-    return model
+    head = head_of(hf_config, hf_state, family="RoBERTa", architectures=_ARCHITECTURES,
+                   mlm_prefix="lm_head.")
+    return build(Roberta, cfg, hf_config, hf_state, head=head, wmap=weight_map(head),
+                 prefixes=("roberta.", ""), path=path, what="RoBERTa checkpoint")
 
 
 MODEL_CLASS = Roberta
