@@ -49,6 +49,15 @@ FAMILIES = {
              max_position_embeddings=24, num_labels=3, pad_token_id=0, activation="gelu"),
         {"encoder": transformers.DistilBertModel, "mlm": transformers.DistilBertForMaskedLM,
          "classifier": transformers.DistilBertForSequenceClassification}, pad=0),
+    # 3 layers: global, local, global; a local query sees 2 keys either side (S = 12)
+    "modernbert": Family(
+        "modernbert", transformers.ModernBertConfig,
+        dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+             intermediate_size=48, max_position_embeddings=64, local_attention=4,
+             global_attn_every_n_layers=2, num_labels=3, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2, cls_token_id=1, sep_token_id=2),
+        {"encoder": transformers.ModernBertModel, "mlm": transformers.ModernBertForMaskedLM,
+         "classifier": transformers.ModernBertForSequenceClassification}, pad=0),
 }
 
 

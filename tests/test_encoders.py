@@ -12,6 +12,7 @@ Shape notation: B batch, S sequence length, H heads, E model dim, V vocabulary, 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -101,7 +102,7 @@ def test_save_load_and_pruned_equals_gated(tmp_path, family, head):
     gated = copy.deepcopy(model)
     gated.mask_heads(plan)
     model.prune_heads(plan)
-    assert model.heads_per_layer == [model.n_original_heads - 2, 0]
+    assert model.heads_per_layer[:2] == [model.n_original_heads - 2, 0]
     pruned = _run(model, ids, mask)
     assert_close(pruned, _run(gated, ids, mask), atol=1e-5, rtol=0)
     assert not torch.allclose(pruned, before, atol=1e-4)
@@ -148,3 +149,43 @@ def test_hf_export_is_refused_with_the_reason(tmp_path, family):
     model = load(write_checkpoint(tmp_path, family, "mlm"), tokenizer=False)
     with pytest.raises(UserError, match="head size"):
         export_hf(model, tmp_path / "hf")
+
+
+# ---------------------------------------------------------------------- ModernBERT
+@pytest.mark.parametrize("head", ["mlm", "classifier"])
+def test_modernbert_with_biases_and_mean_pooling_matches_transformers(tmp_path, head):
+    """Every optional bias on, the classifier pooling the mean, a sequence of 20 tokens
+    over local windows of 2 either side."""
+    directory = write_checkpoint(
+        tmp_path, "modernbert", head, attention_bias=True, mlp_bias=True, norm_bias=True,
+        classifier_bias=True, classifier_pooling="mean", classifier_activation="silu")
+    model = load(directory, tokenizer=False)
+    hf = load_hf(directory, "modernbert", head, impl="sdpa")
+    ids, mask = batch("modernbert", length=20)
+    valid = mask.bool()
+    with torch.no_grad():
+        out, ref = model(ids, mask), hf(input_ids=ids, attention_mask=mask)
+    got, want = (out.logits[valid], ref.logits[valid]) if head == "mlm" else (out.logits,
+                                                                               ref.logits)
+    assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_modernbert_v4_config_keys_give_the_same_model(tmp_path):
+    """A config.json as the hub's ModernBERT checkpoints have it (transformers v4:
+    global_attn_every_n_layers, global_rope_theta, local_rope_theta, no layer_types)."""
+    directory = write_checkpoint(tmp_path, "modernbert", "mlm")
+    cfg_file = directory / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    for key in ("layer_types", "rope_parameters"):
+        cfg.pop(key)
+    cfg.update(global_attn_every_n_layers=2, global_rope_theta=5000.0, local_rope_theta=300.0)
+    cfg_file.write_text(json.dumps(cfg))
+    model = load(directory, tokenizer=False)
+    assert model.config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
+    assert (model.config.global_rope_theta, model.config.local_rope_theta) == (5000.0, 300.0)
+    hf = load_hf(directory, "modernbert", "mlm", impl="eager")
+    ids, mask = batch("modernbert")
+    valid = mask.bool()
+    with torch.no_grad():
+        out, ref = model(ids, mask), hf(input_ids=ids, attention_mask=mask)
+    assert_close(out.logits[valid], ref.logits[valid], atol=1e-4, rtol=0)

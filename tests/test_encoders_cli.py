@@ -24,6 +24,8 @@ TOKENS = {
                 "<unk>", {"max_position_embeddings": 66}),
     "distilbert": (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], "[CLS]", "[SEP]", "[PAD]",
                    "[MASK]", "[UNK]", {"max_position_embeddings": 64}),
+    "modernbert": (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], "[CLS]", "[SEP]", "[PAD]",
+                   "[MASK]", "[UNK]", {"local_attention": 8}),
 }
 
 

@@ -40,12 +40,14 @@ FAMILIES: dict[str, str] = {
     "roberta": "headlab.models.roberta",
     "xlm-roberta": "headlab.models.roberta",
     "distilbert": "headlab.models.distilbert",
+    "modernbert": "headlab.models.modernbert",
 }
 # headlab family name -> module (for headlab-format directories)
 _FAMILY_MODULES = {"gpt2": "headlab.models.gpt2", "bert": "headlab.models.bert",
                    "llama": "headlab.models.llama"}
 _FAMILY_MODULES.update(roberta="headlab.models.roberta",
-                       distilbert="headlab.models.distilbert")
+                       distilbert="headlab.models.distilbert",
+                       modernbert="headlab.models.modernbert")
 
 
 @dataclass(frozen=True)
