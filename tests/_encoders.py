@@ -94,9 +94,11 @@ def batch(family: str, *, length: int = 12, seed: int = 1, padded: bool = True):
     return ids, mask
 
 
-def bpe_tokenizer(*, cls: str, sep: str, pad: str, mask: str, unk: str, specials: list[str]):
+def bpe_tokenizer(*, cls: str, sep: str, pad: str, mask: str, unk: str, specials: list[str],
+                  double_sep: bool = False):
     """A byte-level BPE tokenizer (vocab 400) trained on headlab's bundled text whose
-    encodings are ``cls`` text ``sep``, with the given special tokens first in the vocab
+    encodings are ``cls`` text ``sep`` (pairs ``cls a sep b sep``, RoBERTa's ``cls a sep
+    sep b sep`` with ``double_sep``), with the given special tokens first in the vocab
     (their order fixes their ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -109,7 +111,7 @@ def bpe_tokenizer(*, cls: str, sep: str, pad: str, mask: str, unk: str, specials
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(bundled_text().split("\n\n"), trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} {sep} $B {sep}",
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} {sep + ' ' if double_sep else ''}$B {sep}",
         special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))])
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, cls_token=cls, sep_token=sep, pad_token=pad, mask_token=mask,
