@@ -120,10 +120,24 @@ def _mlm_blocks(family: str) -> Blocks:
     return Blocks(ids, mask, labels, "test")
 
 
-@pytest.mark.parametrize("family", NAMES)
-def test_michel_equals_per_example_brute_force(tmp_path, family):
-    model = load(write_checkpoint(tmp_path, family, "mlm", std=0.1), tokenizer=False)
+def _example_loss(model, ids, mask, labels) -> torch.Tensor:
+    """One example's loss written out with torch: the mean NLL of its masked tokens
+    (labels (S,), -100 = unscored), or the cross-entropy of its class (labels ())."""
+    logits = model(ids[None], mask[None]).logits[0]  # (S, V) or (C,)
+    if labels.dim() == 0:
+        return -logits.log_softmax(-1)[labels]
+    scored = labels != -100
+    return -logits[scored].log_softmax(-1).gather(-1, labels[scored, None]).mean()
+
+
+@pytest.mark.parametrize(("family", "head"), [*((f, "mlm") for f in NAMES),
+                                              ("distilbert", "classifier"),
+                                              ("modernbert", "classifier")])
+def test_michel_equals_per_example_brute_force(tmp_path, family, head):
+    model = load(write_checkpoint(tmp_path, family, head, std=0.1), tokenizer=False)
     blocks = _mlm_blocks(family)
+    if head == "classifier":
+        blocks = Blocks(blocks.input_ids, blocks.attention_mask, torch.tensor([0, 2, 1, 2]))
     expected = []
     for ids, mask, labels in zip(blocks.input_ids, blocks.attention_mask, blocks.labels,
                                  strict=True):
@@ -131,17 +145,13 @@ def test_michel_equals_per_example_brute_force(tmp_path, family):
         for a, g in zip(model.attentions, gates, strict=True):
             a.gate_override = g
         try:
-            logits = model(ids[None], mask[None]).logits[0]  # (S, V)
-            scored = labels != -100
-            nll = -logits[scored].log_softmax(-1).gather(-1, labels[scored, None])
-            nll.mean().backward()
+            _example_loss(model, ids, mask, labels).backward()
         finally:
             for a in model.attentions:
                 a.gate_override = None
         expected.append(torch.stack([g.grad.double().abs() for g in gates]))  # (L, H)
     michel = score(model, blocks, method="michel", batch_size=3, normalize=False)
     assert_close(michel.tensor(), torch.stack(expected).mean(0), rtol=1e-4, atol=1e-9)
-    assert michel.n_tokens == int((blocks.labels != -100).sum())
 
 
 @pytest.mark.parametrize("family", NAMES)
@@ -189,3 +199,57 @@ def test_modernbert_v4_config_keys_give_the_same_model(tmp_path):
     with torch.no_grad():
         out, ref = model(ids, mask), hf(input_ids=ids, attention_mask=mask)
     assert_close(out.logits[valid], ref.logits[valid], atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------- padding, errors
+@pytest.mark.parametrize("family", NAMES)
+def test_a_right_padded_row_equals_the_row_alone(tmp_path, family):
+    """Padding changes nothing for the real tokens (what transformers' unpadded
+    ModernBERT path computes): row 1 has 7 real tokens then padding."""
+    model = load(write_checkpoint(tmp_path, family, "mlm"), tokenizer=False)
+    ids, mask = batch(family)
+    n = int(mask[1].sum())
+    with torch.no_grad():
+        padded = model(ids, mask).logits[1, :n]
+        alone = model(ids[1:2, :n]).logits[0]
+    assert_close(padded, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "message"),
+    [
+        ("roberta", {"pad_token_id": None}, "pad_token_id"),
+        ("roberta", {"architectures": ["RobertaForCausalLM"]}, "RobertaForCausalLM"),
+        ("roberta", {"model_type": "bert"}, "not one of"),
+        ("distilbert", {"activation": "mish"}, "mish"),
+        ("distilbert", {"architectures": ["DistilBertForQuestionAnswering"]},
+         "DistilBertForQuestionAnswering"),
+        ("modernbert", {"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "yarn"),
+        ("modernbert", {"layer_types": ["full_attention"]}, "layer_types"),
+        ("modernbert", {"classifier_pooling": "max"}, "classifier_pooling"),
+        ("modernbert", {"hidden_activation": "mish"}, "mish"),
+    ],
+)
+def test_unsupported_configs_are_refused(family, change, message):
+    from headlab.models.loading import _family
+
+    hf = FAMILIES[family].hf_config()
+    with pytest.raises(ValueError, match=message):
+        _family(hf.model_type).from_hf({**hf.to_dict(), **change}, {})
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_missing_tensor_and_long_input_are_named(tmp_path, family):
+    from safetensors.torch import load_file, save_file
+
+    directory = write_checkpoint(tmp_path, family, "classifier")
+    model = load(directory, tokenizer=False)
+    with pytest.raises(ValueError, match="positions"):
+        model(torch.full((1, model.max_positions + 1), 5))
+    file = directory / "model.safetensors"
+    state = load_file(str(file))
+    gone = sorted(k for k in state if "layer" in k and "1." in k)[0]
+    del state[gone]
+    save_file(state, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=gone.replace(".", r"\.")):
+        load(directory, tokenizer=False)

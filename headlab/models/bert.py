@@ -252,7 +252,7 @@ class Bert(HeadModel):
         B, S = input_ids.shape
         if self.max_positions < S:
             raise ValueError(
-                f"sequence of {S} tokens exceeds this BERT's {self.max_positions} "
+                f"sequence of {S} tokens exceeds this {type(self).__name__}'s {self.max_positions} "
                 "positions; truncate the input (tokenizer(..., truncation=True))"
             )
         if position_ids is None:
