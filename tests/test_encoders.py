@@ -21,6 +21,7 @@ from torch.testing import assert_close
 
 from headlab.data import Blocks
 from headlab.errors import UserError
+from headlab.hooks import capture
 from headlab.importance import score
 from headlab.models import load
 from headlab.models.export import export_hf
@@ -253,3 +254,20 @@ def test_missing_tensor_and_long_input_are_named(tmp_path, family):
     save_file(state, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=gone.replace(".", r"\.")):
         load(directory, tokenizer=False)
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_block_inputs_replay_the_forward(tmp_path, family):
+    """What layer-wise recovery runs: the blocks one by one from `block_inputs` give the
+    forward's residual stream, and ``attention(i, h)`` its attention output."""
+    model = load(write_checkpoint(tmp_path, family, "mlm"), tokenizer=False)
+    ids, mask = batch(family)
+    with capture(model, ["out", "resid_post"]) as cap, torch.no_grad():
+        model(ids, mask)
+    with torch.no_grad():
+        x = model.block_inputs(ids, mask)
+        h = x.hidden
+        for i in range(model.n_layers):
+            assert_close(x.attention(i, h), cap[f"blocks.{i}.attn.out"], atol=0, rtol=0)
+            h = x.block(i, h)
+            assert_close(h, cap[f"blocks.{i}.resid_post"], atol=0, rtol=0)
