@@ -240,10 +240,12 @@ def test_unsupported_configs_are_refused(family, change, message):
 
 
 @pytest.mark.parametrize("family", NAMES)
-def test_missing_tensor_and_long_input_are_named(tmp_path, family):
+def test_unknown_keys_pass_missing_tensor_and_long_input_are_named(tmp_path, family):
     from safetensors.torch import load_file, save_file
 
     directory = write_checkpoint(tmp_path, family, "classifier")
+    cfg_file = directory / "config.json"  # a key no headlab version knows is ignored
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "future_key": 1}))
     model = load(directory, tokenizer=False)
     with pytest.raises(ValueError, match="positions"):
         model(torch.full((1, model.max_positions + 1), 5))
