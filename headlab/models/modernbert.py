@@ -229,7 +229,7 @@ class ModernBert(HeadModel):
                                  (True, config.local_rope_theta))
         }
         if head in ("mlm", "classifier"):
-            self.mlm_head = ModernBertHead(config)
+            self.prediction_head = ModernBertHead(config)
         if head == "mlm":
             self.decoder_bias = (nn.Parameter(torch.zeros(config.vocab_size))
                                  if config.decoder_bias else None)
@@ -256,15 +256,17 @@ class ModernBert(HeadModel):
             x = block(x, masks, rotary)
         x = self.final_norm(x)  # (B, S, E)
         if self.head == "mlm":
-            logits = F.linear(self.mlm_head(x), self.wte.weight, self.decoder_bias)  # (B, S, V)
-            return ModelOutput(last_hidden_state=x, logits=logits)
+            # the decoder is the embedding matrix itself: no second copy is kept or saved
+            h = self.prediction_head(x)
+            return ModelOutput(last_hidden_state=x,
+                               logits=F.linear(h, self.wte.weight, self.decoder_bias))  # (B, S, V)
         if self.head == "classifier":
             if self.config.classifier_pooling == "cls":
                 pooled = x[:, 0]
             else:
                 pooled = pool(x, attention_mask, pooling="mean", normalize=False)  # (B, E)
             return ModelOutput(last_hidden_state=x,
-                               logits=self.classifier(self.mlm_head(pooled)))  # (B, C)
+                               logits=self.classifier(self.prediction_head(pooled)))  # (B, C)
         return ModelOutput(last_hidden_state=x, embeddings=pool(
             x, attention_mask, pooling=self.pooling, normalize=self.normalize))
 
@@ -332,12 +334,12 @@ def weight_map(cfg: ModernBertConfig, head: str) -> WeightMap:
                        for k, v in single.items() if "norm" in k})
     ignore: tuple[str, ...] = ()
     if head in ("mlm", "classifier"):
-        single.update({"^head.dense.weight": "mlm_head.dense.weight",
-                       "^head.norm.weight": "mlm_head.norm.weight"})
+        single.update({"^head.dense.weight": "prediction_head.dense.weight",
+                       "^head.norm.weight": "prediction_head.norm.weight"})
         if cfg.classifier_bias:
-            single["^head.dense.bias"] = "mlm_head.dense.bias"
+            single["^head.dense.bias"] = "prediction_head.dense.bias"
         if cfg.norm_bias:
-            single["^head.norm.bias"] = "mlm_head.norm.bias"
+            single["^head.norm.bias"] = "prediction_head.norm.bias"
     if head == "mlm":
         if cfg.decoder_bias:
             single["^decoder.bias"] = "decoder_bias"
