@@ -87,9 +87,10 @@ def _encode(model: HeadModel, text: str, text_b: str | None = None) -> _Encoded:
     tok = _tokenizer(model)
     limit = getattr(model, "max_positions", None)
     pair = text_b is not None
-    if pair and not _accepts_token_types(model):
+    if pair and not (_accepts_token_types(model) or getattr(tok, "sep_token", None)):
         raise ValueError(
-            f"sentence pairs need a model with segment embeddings (BERT); this is a "
+            f"sentence pairs need a model with segment embeddings (BERT) or a tokenizer "
+            f"with a separator token (RoBERTa, ModernBERT); this is a "
             f"{getattr(model, 'family', type(model).__name__)} model: join the two texts "
             "into one and pass it as text"
         )
@@ -101,13 +102,12 @@ def _encode(model: HeadModel, text: str, text_b: str | None = None) -> _Encoded:
     sentence_b_start = None
     if pair:
         types = enc.get("token_type_ids")
-        if types is None or not bool((types == 1).any()):
-            raise ValueError(
-                "the tokenizer gave no token_type_ids marking sentence b; a BERT tokenizer "
-                "returns them for tok(text, text_b)"
-            )
-        sentence_b_start = int(types[0].tolist().index(1))
-        extra["token_type_ids"] = types.to(model.device)
+        if types is not None and bool((types == 1).any()):
+            sentence_b_start = int(types[0].tolist().index(1))
+            if _accepts_token_types(model):
+                extra["token_type_ids"] = types.to(model.device)
+        else:  # no segments: sentence b starts after the first run of separators
+            sentence_b_start = _after_separators(ids[0].tolist(), tok.sep_token_id)
     with capture(model, "pattern", dtype=torch.float32, device="cpu") as cap:
         model(ids.to(model.device),
               attention_mask=None if valid is None else valid.to(model.device), **extra)
@@ -117,6 +117,21 @@ def _encode(model: HeadModel, text: str, text_b: str | None = None) -> _Encoded:
         patterns=[cap[n] for n in names],
         head_ids=[list(cap.head_ids[n]) for n in names],
         sentence_b_start=sentence_b_start,
+    )
+
+
+def _after_separators(ids: list[int], sep_id: int | None) -> int:
+    """The index after the first run of ``sep_id`` that has tokens after it: where the
+    second text of a pair starts (RoBERTa's ``</s></s>``, DistilBERT's ``[SEP]``)."""
+    run_end = None
+    for i, token in enumerate(ids):
+        if token == sep_id:
+            run_end = i + 1
+        elif run_end is not None:
+            return run_end
+    raise ValueError(
+        "the tokenizer marked sentence b neither with token_type_ids nor with a separator "
+        "token between the two texts"
     )
 
 
@@ -146,8 +161,9 @@ def attention_for_bertviz(
     pruned model each removed head is padded with an all-zero map at its original index:
     head numbers stay those of the unpruned model, and a pruned head shows no lines.
     ``tokens`` are the tokenizer's own strings (bertviz strips 'Ġ' and '▁' itself).
-    With ``text_b`` (BERT only) the two are tokenised as a sentence pair and
-    ``sentence_b_start`` is the index of sentence b's first token; else it is None.
+    With ``text_b`` (encoders) the two are tokenised as a sentence pair and
+    ``sentence_b_start`` is the index of sentence b's first token: the first of segment
+    1, or without segments the first after the separator run; else it is None.
     """
     enc = _encode(model, text, text_b)
     attention = tuple(_padded(enc, _n_original_heads(model, enc)))

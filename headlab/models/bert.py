@@ -16,10 +16,10 @@ sits on top, chosen from the checkpoint:
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,19 +37,12 @@ from headlab.models.base import (
     convert_state_dict,
     load_into,
 )
+from headlab.models.encoder import ACTIVATIONS as _ACTIVATIONS
+from headlab.models.encoder import POOLINGS, pool, sentence_transformers_pooling
 
 MODEL_TYPES = ("bert",)
 
-_ACTIVATIONS = {
-    "gelu": F.gelu,  # exact (erf) GELU, as HF's "gelu"
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
 HEADS = {"mlm": "masked-lm", "classifier": "classifier", "none": "embedding"}
-POOLINGS = ("mean", "cls", "max")
 # HF architecture -> headlab head
 _ARCHITECTURES = {
     "BertModel": "none",
@@ -147,10 +140,11 @@ class BertBlock(nn.Module):
 class BertMLMHead(nn.Module):
     """transform (dense, activation, LayerNorm), then the tied word embeddings + bias."""
 
-    def __init__(self, cfg: BertConfig) -> None:
+    def __init__(self, cfg: BertConfig, act: str | None = None) -> None:
+        """``act``: the transform's activation (default: the config's hidden_act)."""
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = _ACTIVATIONS[act or cfg.hidden_act]
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
@@ -171,6 +165,10 @@ class Bert(HeadModel):
         "HF BERT derives the head size from hidden_size / num_attention_heads, so a layer "
         "with fewer heads has no HF config"
     )
+    # what a family built on this encoder changes: the MLM transform's activation
+    # (None: hidden_act) and the activation on the classifier's pooled first token
+    mlm_activation: ClassVar[str | None] = None
+    pooler_activation: ClassVar[Callable[[torch.Tensor], torch.Tensor]] = staticmethod(torch.tanh)
 
     def __init__(
         self,
@@ -199,11 +197,12 @@ class Bert(HeadModel):
         E = config.hidden_size
         self.wte = nn.Embedding(config.vocab_size, E)
         self.wpe = nn.Embedding(config.max_position_embeddings, E)
-        self.wtt = nn.Embedding(config.type_vocab_size, E)
+        # families without segments (DistilBERT) have type_vocab_size 0: no table
+        self.wtt = nn.Embedding(config.type_vocab_size, E) if config.type_vocab_size else None
         self.ln_emb = nn.LayerNorm(E, eps=config.layer_norm_eps)
         self.blocks = nn.ModuleList(BertBlock(config, kv) for kv in layout)
         if head == "mlm":
-            self.mlm = BertMLMHead(config)
+            self.mlm = BertMLMHead(config, self.mlm_activation)
         elif head == "classifier":
             self.pooler = nn.Linear(E, E)
             self.classifier = nn.Linear(E, config.num_labels)
@@ -238,7 +237,7 @@ class Bert(HeadModel):
         if self.head == "mlm":
             return ModelOutput(last_hidden_state=x, logits=self.mlm(x, self.wte.weight))
         if self.head == "classifier":
-            pooled = torch.tanh(self.pooler(x[:, 0]))  # (B, E)
+            pooled = self.pooler_activation(self.pooler(x[:, 0]))  # (B, E)
             return ModelOutput(last_hidden_state=x, logits=self.classifier(pooled))
         return ModelOutput(last_hidden_state=x, embeddings=self.embed(x, attention_mask))
 
@@ -253,14 +252,17 @@ class Bert(HeadModel):
         B, S = input_ids.shape
         if self.max_positions < S:
             raise ValueError(
-                f"sequence of {S} tokens exceeds this BERT's {self.max_positions} "
+                f"sequence of {S} tokens exceeds this {type(self).__name__}'s {self.max_positions} "
                 "positions; truncate the input (tokenizer(..., truncation=True))"
             )
         if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device)[None]  # (1, S)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        x = self.wte(input_ids) + self.wtt(token_type_ids) + self.wpe(position_ids)
+            position_ids = self.positions(input_ids)
+        x = self.wte(input_ids)
+        if self.wtt is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            x = x + self.wtt(token_type_ids)
+        x = x + self.wpe(position_ids)
         x = self.ln_emb(x)  # (B, S, E)
 
         # an all-ones mask changes nothing; dropping it keeps SDPA on its fastest kernel
@@ -273,20 +275,14 @@ class Bert(HeadModel):
         )
         return x, mask
 
+    def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The position ids of ``input_ids`` (B, S) when none are given: 0 .. S-1, (1, S)."""
+        return torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+
     def embed(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Pool hidden states (B, S, E) over real tokens to (B, E), as
         sentence-transformers' Pooling (then Normalize, when the pipeline has it) does."""
-        if attention_mask is None:
-            attention_mask = torch.ones(h.shape[:2], dtype=torch.long, device=h.device)
-        m = attention_mask.to(h.dtype)[..., None]  # (B, S, 1)
-        if self.pooling == "mean":
-            out = (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
-        elif self.pooling == "cls":
-            first = attention_mask.to(torch.int).argmax(dim=1)  # first real token
-            out = h[torch.arange(h.shape[0], device=h.device), first]
-        else:
-            out = h.masked_fill(m == 0, float("-inf")).amax(dim=1)
-        return F.normalize(out, p=2, dim=-1) if self.normalize else out
+        return pool(h, attention_mask, pooling=self.pooling, normalize=self.normalize)
 
 
 # ---------------------------------------------------------------------- conversion
@@ -378,52 +374,6 @@ def _rename_legacy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight",
                       re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k))
     return {fix(k): v for k, v in state.items()}
-
-
-def sentence_transformers_pooling(path: str | Path | None) -> tuple[str, bool] | None:
-    """(pooling, normalize) of a sentence-transformers directory, None if it is not one.
-
-    Reads ``modules.json`` and the Pooling module's ``config.json`` (both the legacy
-    ``pooling_mode_*`` flags and the newer ``pooling_mode`` key)."""
-    if path is None or not (Path(path) / "modules.json").is_file():
-        return None
-    path = Path(path)
-    modules = json.loads((path / "modules.json").read_text())
-    pooling, normalize = "mean", False
-    for m in modules:
-        kind = m.get("type", "").rsplit(".", 1)[-1]
-        if kind == "Transformer":
-            continue
-        if kind == "Normalize":
-            normalize = True
-        elif kind == "Pooling":
-            cfg_file = path / m.get("path", "") / "config.json"
-            cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-            pooling = _pooling_mode(cfg, cfg_file)
-        else:
-            raise ValueError(
-                f"{path}: sentence-transformers module {m.get('type')!r} is not supported; "
-                "headlab reproduces Transformer -> Pooling -> Normalize pipelines only"
-            )
-    return pooling, normalize
-
-
-def _pooling_mode(cfg: dict, where: Path) -> str:
-    legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
-              "pooling_mode_mean_tokens": "mean",
-              "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-              "pooling_mode_weightedmean_tokens": "weightedmean",
-              "pooling_mode_lasttoken": "lasttoken"}
-    modes = cfg.get("pooling_mode")
-    if modes is None:
-        modes = [mode for key, mode in legacy.items() if cfg.get(key)] or ["mean"]
-    modes = [modes] if isinstance(modes, str) else list(modes)
-    if len(modes) != 1 or modes[0] not in POOLINGS:
-        raise ValueError(
-            f"{where}: pooling {modes} is not supported; headlab pools with exactly one "
-            f"of {POOLINGS}"
-        )
-    return modes[0]
 
 
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) -> Bert:

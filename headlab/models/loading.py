@@ -45,14 +45,21 @@ FAMILIES: dict[str, str] = {
     "phi3": "headlab.models.phi3",
     "gpt_neox": "headlab.models.neox",
     "olmo2": "headlab.models.olmo2",
+    "roberta": "headlab.models.roberta",
+    "xlm-roberta": "headlab.models.roberta",
+    "distilbert": "headlab.models.distilbert",
+    "modernbert": "headlab.models.modernbert",
 }
 # headlab family name -> module (for headlab-format directories)
-_FAMILY_MODULES = {"gpt2": "headlab.models.gpt2", "bert": "headlab.models.bert",
-                   "llama": "headlab.models.llama"}
-_FAMILY_MODULES.update({"qwen2": "headlab.models.qwen", "qwen3": "headlab.models.qwen",
-                        "gemma2": "headlab.models.gemma", "gemma3": "headlab.models.gemma",
-                        "phi3": "headlab.models.phi3", "gpt_neox": "headlab.models.neox",
-                        "olmo2": "headlab.models.olmo2"})
+_FAMILY_MODULES = {
+    "gpt2": "headlab.models.gpt2", "bert": "headlab.models.bert",
+    "llama": "headlab.models.llama", "qwen2": "headlab.models.qwen",
+    "qwen3": "headlab.models.qwen", "gemma2": "headlab.models.gemma",
+    "gemma3": "headlab.models.gemma", "phi3": "headlab.models.phi3",
+    "gpt_neox": "headlab.models.neox", "olmo2": "headlab.models.olmo2",
+    "roberta": "headlab.models.roberta", "distilbert": "headlab.models.distilbert",
+    "modernbert": "headlab.models.modernbert",
+}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,136 @@
+"""What the bidirectional encoder families share (BERT, RoBERTa, DistilBERT, ModernBERT).
+
+Activations by their HF names, the pooling of hidden states into sentence embeddings
+as sentence-transformers does it, and the reading of a sentence-transformers pipeline
+(``modules.json``) that says which pooling a checkpoint directory uses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from headlab.models.base import convert_state_dict, load_into
+
+ACTIVATIONS = {
+    "gelu": F.gelu,  # exact (erf) GELU, as HF's "gelu"
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+POOLINGS = ("mean", "cls", "max")
+
+
+def activation(name: str, *, family: str):
+    """The activation HF names ``name``; a ValueError naming the supported ones else."""
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"{family} activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
+def pool(h: torch.Tensor, attention_mask: torch.Tensor | None, *, pooling: str,
+         normalize: bool) -> torch.Tensor:
+    """Pool hidden states (B, S, E) over real tokens to (B, E), as
+    sentence-transformers' Pooling (then Normalize, when the pipeline has it) does."""
+    if attention_mask is None:
+        attention_mask = torch.ones(h.shape[:2], dtype=torch.long, device=h.device)
+    m = attention_mask.to(h.dtype)[..., None]  # (B, S, 1)
+    if pooling == "mean":
+        out = (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
+    elif pooling == "cls":
+        first = attention_mask.to(torch.int).argmax(dim=1)  # first real token
+        out = h[torch.arange(h.shape[0], device=h.device), first]
+    else:
+        out = h.masked_fill(m == 0, float("-inf")).amax(dim=1)
+    return F.normalize(out, p=2, dim=-1) if normalize else out
+
+
+def sentence_transformers_pooling(path: str | Path | None) -> tuple[str, bool] | None:
+    """(pooling, normalize) of a sentence-transformers directory, None if it is not one.
+
+    Reads ``modules.json`` and the Pooling module's ``config.json`` (both the legacy
+    ``pooling_mode_*`` flags and the newer ``pooling_mode`` key)."""
+    if path is None or not (Path(path) / "modules.json").is_file():
+        return None
+    path = Path(path)
+    modules = json.loads((path / "modules.json").read_text())
+    pooling, normalize = "mean", False
+    for m in modules:
+        kind = m.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            cfg_file = path / m.get("path", "") / "config.json"
+            cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+            pooling = _pooling_mode(cfg, cfg_file)
+        else:
+            raise ValueError(
+                f"{path}: sentence-transformers module {m.get('type')!r} is not supported; "
+                "headlab reproduces Transformer -> Pooling -> Normalize pipelines only"
+            )
+    return pooling, normalize
+
+
+def _pooling_mode(cfg: dict, where: Path) -> str:
+    legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+              "pooling_mode_mean_tokens": "mean",
+              "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+              "pooling_mode_weightedmean_tokens": "weightedmean",
+              "pooling_mode_lasttoken": "lasttoken"}
+    modes = cfg.get("pooling_mode")
+    if modes is None:
+        modes = [mode for key, mode in legacy.items() if cfg.get(key)] or ["mean"]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in POOLINGS:
+        raise ValueError(
+            f"{where}: pooling {modes} is not supported; headlab pools with exactly one "
+            f"of {POOLINGS}"
+        )
+    return modes[0]
+
+
+def head_of(hf_config: dict, hf_state: dict[str, torch.Tensor], *, family: str,
+            architectures: dict[str, str], mlm_prefix: str) -> str:
+    """The head ("mlm", "classifier", "none") from the config's architectures, else
+    from which keys are present (``mlm_prefix`` starts the MLM head's keys)."""
+    archs = hf_config.get("architectures") or []
+    unknown = [a for a in archs if a not in architectures]
+    if unknown:
+        raise ValueError(
+            f"{family} architecture {unknown[0]!r} is not supported; supported: "
+            f"{sorted(architectures)}"
+        )
+    if archs:
+        return architectures[archs[0]]
+    if any(k.startswith("classifier.") for k in hf_state):
+        return "classifier"
+    if any(k.startswith(mlm_prefix) for k in hf_state):
+        return "mlm"
+    return "none"
+
+
+def build(model_class, cfg, hf_config: dict, hf_state: dict[str, torch.Tensor], *,
+          head: str, wmap, prefixes: tuple[str, ...], path, what: str):
+    """An encoder of ``model_class`` with ``head``, its weights converted by ``wmap``;
+    ``path``, the checkpoint directory, tells whether it is a sentence-transformers
+    model and how it pools."""
+    if head == "mlm" and hf_config.get("tie_word_embeddings", True) is False:
+        raise ValueError(
+            f"{what}s of a masked LM with tie_word_embeddings=false are not supported: "
+            "headlab's MLM decoder is the word embedding matrix"
+        )
+    st = sentence_transformers_pooling(path) if head == "none" else None
+    pooling, normalize = st or ("mean", False)
+    model = model_class(cfg, head=head, pooling=pooling, normalize=normalize)
+    state = convert_state_dict(hf_state, wmap, cfg.num_hidden_layers, prefixes=prefixes)
+    load_into(model, state, what=what)
+    return model
