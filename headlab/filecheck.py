@@ -248,11 +248,12 @@ def check_rows_file(path: str | Path) -> None:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {number}: not valid JSON ({exc.msg} at column "
-                            f"{exc.colno}); fix or remove that line") from None
+            raise DataError(f"could not read {path} line {number}: not valid JSON ({exc.msg} "
+                            f"at column {exc.colno}); fix or remove that line") from None
         if not isinstance(row, dict):
-            raise DataError(f"{path} line {number}: a JSON {type(row).__name__}, not an object "
-                            "with named fields; each line must be one {\"text\": ...} object")
+            raise DataError(f"could not read {path} line {number}: a JSON "
+                            f"{type(row).__name__}, not an object with named fields; each line "
+                            "must be one {\"text\": ...} object")
 
 
 def _check_csv(path: Path, text: str, delimiter: str) -> None:
@@ -265,11 +266,12 @@ def _check_csv(path: Path, text: str, delimiter: str) -> None:
             if width is None:
                 width = len(row)
             elif row and len(row) != width:
-                raise DataError(f"{path} line {reader.line_num}: {len(row)} fields, the header "
-                                f"has {width}; quote fields that hold {delimiter!r}")
+                raise DataError(f"could not read {path} line {reader.line_num}: {len(row)} "
+                                f"fields, the header has {width}; quote fields that hold "
+                                f"{delimiter!r}")
     except csv.Error as exc:
-        raise DataError(f"{path} line {reader.line_num}: {exc} (an unterminated quote?); "
-                        "fix that row") from None
+        raise DataError(f"could not read {path} line {reader.line_num}: {exc} (an "
+                        "unterminated quote?); fix that row") from None
     finally:
         csv.field_size_limit(limit)
 

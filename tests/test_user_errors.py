@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import headlab
 from headlab.data import TextData, bundled_text, load_texts, make_blocks, split_blocks
@@ -245,3 +246,275 @@ def test_a_programming_error_keeps_its_traceback(capsys, monkeypatch, tiny_gpt2_
     monkeypatch.setattr(headlab.runs, "load_model", broken)
     with pytest.raises(ZeroDivisionError):
         cli(capsys, "score", "-m", str(tiny_gpt2_dir), "--out", str(tmp_path / "run"))
+
+
+# ---------------------------------------------------------------- one run per directory
+def test_two_runs_on_one_out_one_proceeds_the_other_names_it(capsys, tiny_gpt2_dir, tmp_path):
+    from headlab import runlock
+
+    out = tmp_path / "run"
+    text = tmp_path / "long.txt"  # ablation on this runs for minutes: the first run lives
+    text.write_text("\n\n".join([bundled_text()] * 10))
+    first = subprocess.Popen(
+        [sys.executable, "-m", "headlab", "score", "-m", str(tiny_gpt2_dir), "--method",
+         "ablation", "--data", str(text), "--max-tokens", "200000", "--seq-len", "32",
+         "--out", str(out), "-q"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 180
+        while not (out / "status.json").exists():
+            assert first.poll() is None and time.time() < deadline, first.stderr.read()
+            time.sleep(0.1)
+        for args in (["score", "-m", str(tiny_gpt2_dir), "--out", str(out), "--overwrite"],
+                     ["score", "--resume", str(out)]):
+            code, _, err = cli(capsys, *args)
+            assert_one_line(code, err, f"in use by process {first.pid}")
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.kill()
+        first.wait()
+    # the killed run's lock file stays, but no process holds it: the next run takes over
+    assert (out / runlock.LOCK_NAME).is_file() and runlock.holder(out) is None
+    lock = runlock.RunLock(out)
+    assert runlock.holder(out) == os.getpid()
+    with pytest.raises(RunLockedError, match=f"in use by process {os.getpid()}"):
+        runlock.RunLock(out)
+    lock.release()
+    assert runlock.holder(out) is None
+
+
+# ---------------------------------------------------------------- a full disk
+def test_full_disk_during_the_model_save_fails_the_run_cleanly(capsys, monkeypatch,
+                                                               tiny_gpt2_dir, tmp_path):
+    """safetensors reports a full disk in its own error: it ends as the OSError it is,
+    status.json says failed and nothing of the model is left to pass for complete."""
+    from safetensors import SafetensorError
+
+    import headlab.models.base
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(headlab.models.base, "save_file", full_disk)
+    out = tmp_path / "run"
+    text = tmp_path / "text.txt"
+    text.write_text(bundled_text()[:20_000])
+    code, _, err = cli(capsys, "prune", "-m", str(tiny_gpt2_dir), "--keep", "0.5", "--method",
+                       "random", "--schedule", "one-shot", "--recover", "none", "--data",
+                       str(text), "--max-tokens", "512", "--seq-len", "32", "--out", str(out),
+                       "-q")
+    assert_one_line(code, err, "No space left on device")
+    assert str(out) in err and "model.safetensors" in err
+    status = json.loads((out / "status.json").read_text())
+    assert status["status"] == "failed" and "No space left" in status["error"]
+    assert not (out / "results.json").exists() and not (out / "model").exists()
+    assert not list(out.rglob("*.tmp"))
+
+
+# ---------------------------------------------------------------- corrupt model files
+GGUF = "smollm2-135m"
+
+
+def _corrupt_model(kind: str, how: str, cut: float, seed: int, where: Path, tiny: Path,
+                   gguf_span: int) -> tuple[Path, Path, bytes | None]:
+    """A model whose ``kind`` file is replaced by random bytes or cut short; returns
+    (what to pass to --model, the corrupted file, the original bytes when small)."""
+    import random
+
+    rng = random.Random(seed)
+    if kind == "gguf":
+        from headlab.models.loading import bundled_path
+
+        source = bundled_path(GGUF)
+        target = where / "m.gguf"
+        with open(source, "rb") as f:
+            data = (f.read(int(cut * gguf_span)) if how == "truncate"
+                    else rng.randbytes(int(cut * 4096)))
+        target.write_bytes(data)
+        return target, target, None
+    model = where / "m"
+    shutil.copytree(tiny, model)
+    target = model / ("model.safetensors" if kind == "safetensors" else "config.json")
+    original = target.read_bytes()
+    data = (original[: min(int(cut * len(original)), len(original) - 1)] if how == "truncate"
+            else rng.randbytes(int(cut * 4096)))
+    target.write_bytes(data)
+    return model, target, original
+
+
+def _check_corrupt_eval(capsys, tmp_path_factory, tiny, kind, how, cut, seed, gguf_span):
+    where = tmp_path_factory.mktemp("corrupt")
+    model, target, original = _corrupt_model(kind, how, cut, seed, where, tiny, gguf_span)
+    start = time.perf_counter()
+    code, _, err = cli(capsys, "eval", "-m", str(model), "--max-tokens", "256", "--seq-len",
+                       "32", "-q")
+    assert time.perf_counter() - start < 60  # refused from the header, nothing converted
+    if code == 0:  # a cut that kept the JSON whole (its final newline) is no corruption
+        assert kind == "config" and json.loads(target.read_bytes()) == json.loads(original)
+        return
+    culprit = str(target) if kind != "config" else f"{target}"
+    assert_one_line(code, err, culprit)
+    shutil.rmtree(where)
+
+
+_KINDS = ("safetensors", "config", "gguf")
+
+
+@pytest.fixture()
+def cache_in_tmp(monkeypatch, tmp_path_factory):
+    """GGUF conversions (there must be none) go to a throwaway cache."""
+    monkeypatch.setenv("HEADLAB_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
+def _corrupt_eval_test(max_examples: int, gguf_span: int):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(kind=st.sampled_from(_KINDS), how=st.sampled_from(("truncate", "random")),
+           cut=st.floats(0, 1), seed=st.integers(0, 2**32 - 1))
+    def test(capsys, tmp_path_factory, tiny_gpt2_dir, cache_in_tmp, kind, how, cut, seed):
+        _check_corrupt_eval(capsys, tmp_path_factory, tiny_gpt2_dir, kind, how, cut, seed,
+                            gguf_span)
+
+    return test
+
+
+# default suite: a few examples, GGUF cut within its 1.8 MB header and tensor table
+test_corrupt_model_files_end_in_one_line = pytest.mark.real(_corrupt_eval_test(12, 2_500_000))
+# slow: many more, GGUF cut anywhere in its 98 MB
+test_corrupt_model_files_end_in_one_line_many = pytest.mark.slow(pytest.mark.real(
+    _corrupt_eval_test(120, 98_362_432)))
+
+
+# ---------------------------------------------------------------- killed, then resumed
+def _prune_args(model: Path, out: Path, data: Path) -> list[str]:
+    return ["prune", "-m", str(model), "--keep", "0.5", "--step", "0.25", "--data", str(data),
+            "--max-tokens", "4096", "--seq-len", "32", "--batch-size", "2", "--out", str(out),
+            "-q"]
+
+
+def _kill_at(moment, args: list[str], out: Path) -> bool:
+    """Start a run and SIGKILL it once ``moment(out)`` holds; False if it ended first."""
+    proc = subprocess.Popen([sys.executable, "-m", "headlab", *args], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while proc.poll() is None:
+            if out.is_dir() and moment(out):
+                proc.kill()
+                return True
+            time.sleep(0.001)
+        return False
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _staging(pattern: str):
+    return lambda out: any(out.glob(pattern))
+
+
+MOMENTS = {
+    "after loading": lambda out: (out / "status.json").exists(),
+    "while scoring": lambda out: (out / "checkpoint.pt").exists(),
+    "during a checkpoint write": _staging(".checkpoint.pt.*.tmp"),
+    "during the model save": _staging(".model.*.tmp"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", sorted(MOMENTS))
+def test_killed_at_any_moment_resumes_to_the_same_run_and_no_temp_file(
+        tiny_gpt2_dir, tmp_path, moment):
+    from headlab import runlock
+
+    data = tmp_path / "text.txt"
+    data.write_text(bundled_text())
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    r = subprocess.run([sys.executable, "-m", "headlab", *_prune_args(tiny_gpt2_dir, full, data)],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr
+    for _ in range(5):  # a moment of a few milliseconds can be missed: try again
+        shutil.rmtree(cut, ignore_errors=True)
+        if _kill_at(MOMENTS[moment], _prune_args(tiny_gpt2_dir, cut, data), cut):
+            break
+    else:
+        pytest.fail(f"the run always ended before the moment {moment!r}")
+    r = subprocess.run([sys.executable, "-m", "headlab", "prune", "--resume", str(cut), "-q"],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr
+    a = json.loads((full / "results.json").read_text())
+    b = json.loads((cut / "results.json").read_text())
+    for key in ("importance", "kept_heads", "curve", "heads_kept", "quality", "params"):
+        assert a[key] == b[key], key
+    assert (full / "model" / "model.safetensors").read_bytes() == (
+        cut / "model" / "model.safetensors").read_bytes()
+    assert json.loads((cut / "status.json").read_text())["status"] == "complete"
+    assert not list(cut.rglob("*.tmp")) and runlock.holder(cut) is None
+    assert not (cut / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_fails_the_run_cleanly(tiny_gpt2_dir, tmp_path):
+    """A tmpfs too small for the model: the same ending as the monkeypatched writer."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (test_full_disk_during_the_model_save_... "
+                    "covers the same ending with a failing writer)")
+    try:
+        data = tmp_path / "text.txt"
+        data.write_text(bundled_text()[:20_000])
+        out = disk / "run"
+        r = subprocess.run(
+            [sys.executable, "-m", "headlab", "prune", "-m", str(tiny_gpt2_dir), "--keep",
+             "0.5", "--method", "random", "--schedule", "one-shot", "--recover", "none",
+             "--data", str(data), "--max-tokens", "512", "--seq-len", "32", "--out", str(out),
+             "-q"], capture_output=True, text=True, env=ENV, timeout=600)
+        errors = [line for line in r.stderr.splitlines() if not line.startswith("WARNING:")]
+        assert_one_line(r.returncode, "\n".join(errors), "No space left on device")
+        assert "MB free" in r.stderr  # warned before the model loaded
+        assert json.loads((out / "status.json").read_text())["status"] == "failed"
+        assert not (out / "results.json").exists() and not (out / "model").exists()
+        assert not list(out.rglob("*.tmp"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_ctrl_c_before_the_run_directory_exists_names_none(capsys, monkeypatch, tiny_gpt2_dir,
+                                                           tmp_path):
+    import headlab.runs
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(headlab.runs, "load_model", interrupted)
+    code, _, err = cli(capsys, "score", "-m", str(tiny_gpt2_dir), "--out", str(tmp_path / "r"))
+    assert code == 130 and "nothing to resume" in err and "--resume" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_files_follow_the_umask_and_stale_temps_are_removed(tmp_path):
+    from safetensors.torch import save_file
+
+    from headlab._io import atomic_dir, atomic_path
+    from headlab.runlock import remove_stale_temps
+
+    old = os.umask(0o027)
+    try:
+        with atomic_path(tmp_path / "model.safetensors") as tmp:
+            save_file({"w": torch.zeros(3)}, str(tmp))  # safetensors replaces the file
+        with atomic_dir(tmp_path / "model") as staging:
+            (staging / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "model").stat().st_mode & 0o777 == 0o750
+    (tmp_path / ".results.json.x1.tmp").write_text("half")
+    (tmp_path / ".model.x2.tmp").mkdir()
+    (tmp_path / "model" / ".model.safetensors.x3.tmp").write_text("half")
+    removed = remove_stale_temps(tmp_path)
+    assert len(removed) == 3 and not list(tmp_path.rglob("*.tmp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.safetensors"]
