@@ -52,6 +52,10 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         if target.exists():  # a resumed run writes it again
             shutil.rmtree(target)
         os.replace(staging, target)
+    except OSError as exc:  # name the file the user asked for, not the staging one
+        if exc.filename is not None:
+            exc.filename = str(exc.filename).replace(str(staging), str(target))
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

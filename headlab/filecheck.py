@@ -181,19 +181,20 @@ def _gguf_body(r: _Reader, n_kv: int, n_tensors: int, corrupt):
 
 
 # ---------------------------------------------------------------- config.json
-def read_config(path: str | Path) -> dict[str, Any]:
-    """A model's config.json as a dict, or CorruptFileError naming the file and line."""
+def read_config(path: str | Path, *, what: str = "config") -> dict[str, Any]:
+    """A config.json (a model's, a run's: ``what``) as a dict, or CorruptFileError
+    naming the file and line."""
     path = Path(path)
     try:
         config = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise CorruptFileError(f"broken config: {path} is not UTF-8 text (byte {exc.start}); "
+        raise CorruptFileError(f"broken {what}: {path} is not UTF-8 text (byte {exc.start}); "
                                f"{_RESTORE}", path=str(path)) from None
     except json.JSONDecodeError as exc:
-        raise CorruptFileError(f"broken config: {path} line {exc.lineno} column {exc.colno}: "
+        raise CorruptFileError(f"broken {what}: {path} line {exc.lineno} column {exc.colno}: "
                                f"{exc.msg}; fix the JSON or {_RESTORE}", path=str(path)) from None
     if not isinstance(config, dict):
-        raise CorruptFileError(f"broken config: {path} holds a JSON {type(config).__name__}, "
+        raise CorruptFileError(f"broken {what}: {path} holds a JSON {type(config).__name__}, "
                                f"not an object; {_RESTORE}", path=str(path))
     return config
 

@@ -9,7 +9,6 @@ results.json (a `RunResult`), importance.csv, report.html, model/ and status.jso
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import statistics
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from headlab.config import DTYPES, RunConfig, resolve_device
 from headlab.data import BUNDLED_SPEC, BUNDLED_WARNING, Blocks, load_texts, split_blocks
 from headlab.errors import UserError
 from headlab.evaluate import evaluate
+from headlab.filecheck import read_config
 from headlab.importance import PER_TOKEN_METHODS, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
@@ -187,9 +187,10 @@ def resume_config(run_dir: Path) -> RunConfig:
     if not cfg_file.is_file():
         raise UserError(f"{run_dir} has no config.json: not a headlab run directory")
     status_file = Path(run_dir) / "status.json"
-    if status_file.is_file() and json.loads(status_file.read_text()).get("status") == "complete":
+    if (status_file.is_file()
+            and read_config(status_file, what="run status").get("status") == "complete"):
         raise UserError(f"{run_dir} is complete: there is nothing to resume")
-    return RunConfig.from_dict(json.loads(cfg_file.read_text()))
+    return RunConfig.from_dict(read_config(cfg_file, what="run configuration"))
 
 
 @dataclass

@@ -304,7 +304,7 @@ def test_full_disk_during_the_model_save_fails_the_run_cleanly(capsys, monkeypat
                        str(text), "--max-tokens", "512", "--seq-len", "32", "--out", str(out),
                        "-q")
     assert_one_line(code, err, "No space left on device")
-    assert str(out) in err and "model.safetensors" in err
+    assert f"{out / 'model' / 'model.safetensors'}: No space left on device" in err
     status = json.loads((out / "status.json").read_text())
     assert status["status"] == "failed" and "No space left" in status["error"]
     assert not (out / "results.json").exists() and not (out / "model").exists()
@@ -518,3 +518,16 @@ def test_files_follow_the_umask_and_stale_temps_are_removed(tmp_path):
     removed = remove_stale_temps(tmp_path)
     assert len(removed) == 3 and not list(tmp_path.rglob("*.tmp"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.safetensors"]
+
+
+def test_a_broken_run_directory_is_named_on_resume(capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"model": "minilm-l6", "command": "score"}')
+    (run / "status.json").write_text('{"status": "runn')
+    code, _, err = cli(capsys, "score", "--resume", str(run))
+    assert_one_line(code, err, f"broken run status: {run / 'status.json'} line 1")
+    (run / "status.json").write_text('{"status": "interrupted"}')
+    (run / "config.json").write_text("[1, 2]")
+    code, _, err = cli(capsys, "score", "--resume", str(run))
+    assert_one_line(code, err, f"broken run configuration: {run / 'config.json'} holds a JSON list")
