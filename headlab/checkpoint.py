@@ -17,6 +17,7 @@ import torch
 
 from headlab import distributed
 from headlab._io import atomic_path
+from headlab.errors import UserError
 
 
 class Checkpoint:
@@ -24,7 +25,7 @@ class Checkpoint:
 
     def __init__(self, directory: str | Path, *, every: int = 10) -> None:
         if every < 1:
-            raise ValueError(f"checkpoint interval must be >= 1 batch, got {every}")
+            raise UserError(f"checkpoint interval must be >= 1 batch, got {every}")
         rank = distributed.rank()
         name = "checkpoint.pt" if distributed.world_size() == 1 else f"checkpoint-rank{rank}.pt"
         self.path = Path(directory) / name
@@ -34,7 +35,7 @@ class Checkpoint:
             try:
                 self._states = torch.load(self.path, map_location="cpu", weights_only=True)
             except Exception as exc:
-                raise ValueError(
+                raise UserError(
                     f"checkpoint {self.path} cannot be read ({type(exc).__name__}); delete it "
                     "to start the run over"
                 ) from exc

@@ -1,7 +1,9 @@
 """The `headlab` command: a thin layer over the Python API.
 
-Bad input ends with one line on stderr and exit code 2, never a traceback; Ctrl-C
-marks the run interrupted and exits 130, leaving no half-written file.
+Bad input (the errors of `headlab.errors`, a file system's OSError, a bad option)
+ends with one line on stderr and exit code 2, never a traceback; any other exception
+is a bug and keeps its traceback (exit 1). Ctrl-C marks the run interrupted and exits
+130, leaving no half-written file.
 """
 
 from __future__ import annotations
@@ -80,19 +82,34 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _guard(fn, *args, **kwargs):
-    """Run fn, turning the errors a user can act on into one line and exit code 2."""
+    """Run fn, turning the errors a user can act on into one line and exit code 2:
+    headlab's own (`headlab.errors`), non-finite numbers from broken weights, and the
+    file system's (full, read-only, missing), named by path. Others are bugs: they
+    keep their traceback."""
     from headlab.errors import UserError
 
     try:
         return fn(*args, **kwargs)
-    except (UserError, FileNotFoundError, FloatingPointError) as exc:
-        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    except ValueError as exc:  # validation deeper in the API (plans, shapes, keys)
-        _fail(str(exc).splitlines()[0])
-    except KeyboardInterrupt:
-        typer.echo("interrupted: the run directory is marked 'interrupted'; continue it "
-                   "with --resume RUN_DIR", err=True)
+    except (UserError, FloatingPointError) as exc:
+        _fail(_one_line(exc))
+    except OSError as exc:
+        if exc.filename is not None and exc.strerror:
+            _fail(f"{exc.filename}: {exc.strerror}")
+        _fail(_one_line(exc))
+    except KeyboardInterrupt as exc:
+        run_dir = getattr(exc, "run_dir", None)  # set once the run directory exists
+        if run_dir is None:
+            typer.echo("interrupted before the run directory was made: nothing to resume",
+                       err=True)
+        else:
+            typer.echo(f"interrupted: {run_dir} is marked 'interrupted'; continue it with "
+                       f"--resume {run_dir}", err=True)
         raise typer.Exit(130) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 
@@ -305,12 +322,14 @@ def eval_(
         from headlab.errors import UserError
         from headlab.evaluate import evaluate
         from headlab.objectives import objective_for
+        from headlab.preflight import check_data
         from headlab.runs import build_data, load_model
 
         cfg = RunConfig.from_dict(dict(
             model=model, command="eval", data=data, text_column=text_column,
             label_column=label_column, max_tokens=max_tokens, seq_len=seq_len,
             batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value))
+        check_data(cfg)  # before the model loads
         m = load_model(cfg)
         ref = m
         if objective_for(m).needs_reference:
@@ -423,7 +442,21 @@ def run_recipe(
 
 
 def main() -> None:
-    app()
+    """The command; a bad option or value is one line and exit code 2, like bad input."""
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+
+    try:
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except ClickException as exc:
+        hint = f" (see {exc.ctx.command_path} --help)" if getattr(exc, "ctx", None) else ""
+        typer.echo(f"error: {_one_line(exc.format_message())}{hint}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

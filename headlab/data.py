@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from headlab.errors import DataError
+from headlab.filecheck import check_dataset_spec, check_rows_file, read_text
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Blocks:
     labels: torch.Tensor | None = None
     spec: str = BUNDLED_SPEC
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    layout: str | None = None  # the KIND_LAYOUTS entry make_blocks laid them out by
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -72,7 +74,7 @@ class Blocks:
         index = torch.as_tensor(index, dtype=torch.long)
         return Blocks(self.input_ids[index], self.attention_mask[index],
                       None if self.labels is None else self.labels[index], self.spec,
-                      {k: v[index] for k, v in self.extras.items()})
+                      {k: v[index] for k, v in self.extras.items()}, self.layout)
 
     def batches(self, batch_size: int):
         """Yield dicts (input_ids, attention_mask, labels, extras) of at most batch_size rows,
@@ -116,12 +118,14 @@ def load_texts(
         if path.stat().st_size == 0:
             raise DataError(f"data file {spec} is empty")
         if suffix == ".txt":
-            texts = _paragraphs(path.read_text("utf-8", errors="replace"))
+            texts = _paragraphs(read_text(path))
             if not texts:
                 raise DataError(f"data file {spec} holds no text")
             return TextData(texts, spec=str(spec), prose=True)
+        check_rows_file(path)
         return _from_rows(_local_rows(path), str(spec), text_column, label_column)
     if spec.count(":") >= 1 and not path.exists():
+        check_dataset_spec(spec)
         return _from_rows(_hub_rows(spec), spec, text_column, label_column)
     raise DataError(
         f"cannot read data {spec!r}: give a .txt/.jsonl/.csv/.tsv file, a Hugging Face "
@@ -355,14 +359,39 @@ def make_blocks(
     if kind not in KIND_LAYOUTS:
         raise DataError(f"no text layout for model kind {kind!r}; known kinds: "
                         f"{', '.join(KIND_LAYOUTS)}")
+    if not isinstance(data, TextData):
+        raise DataError(f"make_blocks reads TextData (from headlab.load_texts), got "
+                        f"{type(data).__name__}")
+    if not data.texts:
+        raise DataError(f"{data.spec}: no texts to make blocks of")
+    if tokenizer is None:
+        raise DataError("make_blocks needs the model's tokenizer (model.tokenizer), got None")
     if seq_len < 4:
         raise DataError(f"seq_len must be >= 4, got {seq_len}")
-    layout = _LAYOUTS[KIND_LAYOUTS[kind]]
-    return layout(data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+    blocks = _LAYOUTS[KIND_LAYOUTS[kind]](data, tokenizer, seq_len=seq_len,
+                                          max_tokens=max_tokens)
+    blocks.layout = KIND_LAYOUTS[kind]
+    return blocks
+
+
+def check_blocks(blocks: Blocks, *, what: str, kind: str | None = None) -> None:
+    """Raise DataError unless ``blocks`` are non-empty Blocks, laid out (when
+    known) for a model of ``kind``: ``what`` names the caller in the message."""
+    if not isinstance(blocks, Blocks):
+        raise DataError(f"{what} takes Blocks (from headlab.make_blocks), got "
+                        f"{type(blocks).__name__}")
+    if len(blocks) == 0:
+        raise DataError(f"{what}: {blocks.spec} holds no blocks")
+    wanted = KIND_LAYOUTS.get(kind) if kind is not None else None
+    if wanted is not None and blocks.layout is not None and blocks.layout != wanted:
+        raise DataError(f"{what}: these blocks are laid out as {blocks.layout!r}, a {kind} "
+                        f"model reads {wanted!r}; make them with make_blocks(kind={kind!r}) "
+                        "or the model's objective")
 
 
 def split_blocks(blocks: Blocks, *, heldout: float = 0.5, seed: int = 0) -> tuple[Blocks, Blocks]:
     """Seeded, disjoint split into (scoring, held-out); quality is reported on held-out."""
+    check_blocks(blocks, what="split_blocks")
     if len(blocks) < 2:
         raise DataError(
             f"{blocks.spec}: {len(blocks)} block(s) cannot be split into scoring and held-out "

@@ -32,3 +32,19 @@ class CaptureTooLargeError(UserError, MemoryError):
         super().__init__(message)
         self.needed = needed
         self.limit = limit
+
+
+class CorruptFileError(UserError):
+    """A file is truncated or its contents contradict its own header; ``path`` names it."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class RunLockedError(UserError):
+    """Another live process holds the run directory; ``pid`` is that process."""
+
+    def __init__(self, message: str, *, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid

@@ -35,7 +35,8 @@ from headlab import distributed
 from headlab._io import atomic_write_json, atomic_write_text
 from headlab._progress import track
 from headlab.checkpoint import Checkpoint
-from headlab.data import Blocks
+from headlab.data import Blocks, check_blocks
+from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
 
@@ -147,20 +148,19 @@ def score(
     batch that estimate the curvature; ``seed`` seeds them (and ``random``).
     """
     if method not in METHODS:
-        raise ValueError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
-    if len(blocks) == 0:
-        raise ValueError(f"{blocks.spec}: no blocks to score on")
+        raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
+    check_blocks(blocks, what="score", kind=objective_for(model).kind)
     n_examples = len(blocks)
     if -(-n_examples // batch_size) < distributed.world_size():
-        raise ValueError(f"{n_examples} blocks in batches of {batch_size} cannot be shared by "
+        raise UserError(f"{n_examples} blocks in batches of {batch_size} cannot be shared by "
                          f"{distributed.world_size()} ranks; give more data, smaller batches "
                          "or fewer processes")
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     if per_token and method not in PER_TOKEN_METHODS:
-        raise ValueError(f"per-token gates apply to {' and '.join(PER_TOKEN_METHODS)}, "
+        raise UserError(f"per-token gates apply to {' and '.join(PER_TOKEN_METHODS)}, "
                          f"not {method}")
     if method == "taylor" and probes < 1:
-        raise ValueError(f"taylor needs at least one curvature probe per batch, got {probes}")
+        raise UserError(f"taylor needs at least one curvature probe per batch, got {probes}")
     if method in ("michel", "fisher", "taylor"):
         raw, n_tokens = _gradient_scores(model, blocks, batch_size, method=method,
                                          per_token=per_token, probes=probes, seed=seed,

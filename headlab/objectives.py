@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from headlab.data import KIND_LAYOUTS, Blocks, TextData, make_blocks
+from headlab.data import KIND_LAYOUTS, Blocks, TextData, check_blocks, make_blocks
 from headlab.errors import UserError
 
 if TYPE_CHECKING:  # the models import generation, which asks objectives
@@ -231,7 +231,8 @@ class Embedding(Objective):
         unit = F.normalize(ref, dim=-1)
         direction = F.normalize(direction - (direction * unit).sum(-1, keepdim=True) * unit, dim=-1)
         extras = {**blocks.extras, "reference": ref, "direction": direction}
-        return Blocks(blocks.input_ids, blocks.attention_mask, blocks.labels, blocks.spec, extras)
+        return Blocks(blocks.input_ids, blocks.attention_mask, blocks.labels, blocks.spec, extras,
+                      blocks.layout)
 
     def check_prepared(self, blocks):
         if "reference" not in blocks.extras:
@@ -278,7 +279,9 @@ def prepare(model: HeadModel, blocks: Blocks, *, batch_size: int = DEFAULT_BATCH
     """``blocks`` with what ``model``'s objective needs fixed once per run: the masking
     for masked-LM, the unpruned reference embeddings for encoders. Call it on the
     unpruned model."""
-    return objective_for(model).prepare(model, blocks, batch_size=batch_size, seed=seed)
+    objective = objective_for(model)
+    check_blocks(blocks, what="prepare", kind=objective.kind)
+    return objective.prepare(model, blocks, batch_size=batch_size, seed=seed)
 
 
 def mask_tokens(blocks: Blocks, tokenizer, *, seed: int = 0, rate: float = 0.15) -> Blocks:
@@ -297,4 +300,5 @@ def mask_tokens(blocks: Blocks, tokenizer, *, seed: int = 0, rate: float = 0.15)
     chosen[rows, first[rows]] = True
     labels = torch.where(chosen, ids, torch.full_like(ids, -100))
     ids[chosen] = tokenizer.mask_token_id
-    return Blocks(ids, blocks.attention_mask, labels, blocks.spec, dict(blocks.extras))
+    return Blocks(ids, blocks.attention_mask, labels, blocks.spec, dict(blocks.extras),
+                  blocks.layout)

@@ -9,7 +9,6 @@ results.json (a `RunResult`), importance.csv, report.html, model/ and status.jso
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import statistics
 from dataclasses import dataclass
@@ -19,21 +18,24 @@ from typing import Any
 import torch
 
 from headlab import __version__, distributed
-from headlab._io import atomic_write_json
+from headlab._io import atomic_dir, atomic_write_json
 from headlab.checkpoint import Checkpoint
 from headlab.config import DTYPES, RunConfig, resolve_device
 from headlab.data import BUNDLED_SPEC, BUNDLED_WARNING, Blocks, load_texts, split_blocks
 from headlab.errors import UserError
 from headlab.evaluate import evaluate
+from headlab.filecheck import read_config
 from headlab.importance import PER_TOKEN_METHODS, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
 from headlab.models.loading import load
 from headlab.objectives import objective_for
 from headlab.overview import overview
+from headlab.preflight import check_run
 from headlab.pruning import copy_model, prune
 from headlab.recovery import recover
 from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
+from headlab.runlock import RunLock, remove_stale_temps
 from headlab.schedule import prune_to_target
 from headlab.selection import heads_to_keep
 
@@ -122,6 +124,8 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     distributed.init_from_env(resolve_device(cfg.device))
     main = distributed.is_main()
     out = resume or (Path(cfg.out) if cfg.out else default_out(cfg))
+    if main:
+        check_run(cfg, out, resume=resume is not None)  # before the model loads
     if resume is None and out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise UserError(f"run directory {out} already exists; pass --overwrite or another --out")
     out = Path(distributed.broadcast(str(out)))
@@ -131,8 +135,10 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
         n_keep = heads_to_keep(model.n_layers * model.n_original_heads, keep=cfg.keep,
                                prune=cfg.prune)
     scoring, heldout, seq_len = build_data(cfg, model)
+    lock = None
     if main:
         out.mkdir(parents=True, exist_ok=True)
+        lock = _claim(out, cfg, resumed=resume is not None)
         if resume is None:
             for stale in out.glob("checkpoint*.pt"):  # --overwrite starts over
                 stale.unlink()
@@ -143,19 +149,36 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
         distributed.barrier()
         stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every)
         result = stage.prune(n_keep) if n_keep is not None else stage.score_only()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if main:
             set_status(out, "interrupted", resume=f"headlab {cfg.command} --resume {out}")
+            lock.release()
+        exc.run_dir = out  # the CLI names it: the directory exists from here on
         raise
     except BaseException as exc:
         if main:
             set_status(out, "failed", error=f"{type(exc).__name__}: {exc}")
+            lock.release()
         raise
     stage.checkpoint.clear()
     if main:
         set_status(out, "complete")
+        lock.release()
     distributed.barrier()  # no rank leaves (and tears down the group) while rank 0 writes
     return out, result
+
+
+def _claim(out: Path, cfg: RunConfig, *, resumed: bool) -> RunLock:
+    """Lock the run directory for this process, refusing one a concurrent run has
+    meanwhile filled, and clear what a killed run left half-written."""
+    lock = RunLock(out)
+    leftovers = [p for p in out.iterdir() if p.name != lock.path.name]
+    if not resumed and not cfg.overwrite and leftovers:
+        lock.release()
+        raise UserError(f"run directory {out} was filled by another run meanwhile; pass "
+                        "--overwrite or another --out")
+    remove_stale_temps(out)
+    return lock
 
 
 def resume_config(run_dir: Path) -> RunConfig:
@@ -164,9 +187,10 @@ def resume_config(run_dir: Path) -> RunConfig:
     if not cfg_file.is_file():
         raise UserError(f"{run_dir} has no config.json: not a headlab run directory")
     status_file = Path(run_dir) / "status.json"
-    if status_file.is_file() and json.loads(status_file.read_text()).get("status") == "complete":
+    if (status_file.is_file()
+            and read_config(status_file, what="run status").get("status") == "complete"):
         raise UserError(f"{run_dir} is complete: there is nothing to resume")
-    return RunConfig.from_dict(json.loads(cfg_file.read_text()))
+    return RunConfig.from_dict(read_config(cfg_file, what="run configuration"))
 
 
 @dataclass
@@ -265,7 +289,8 @@ class _Stage:
                      q_after.value)
         after = _Shape.of(pruned)
         if main:
-            pruned.save(self.out / "model")
+            with atomic_dir(self.out / "model") as staging:  # whole, or not at all
+                pruned.save(staging)
         export_note = None
         if cfg.export == "hf" and main:
             reason = hf_expressible(pruned)

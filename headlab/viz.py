@@ -34,6 +34,7 @@ from headlab.analysis import (
     head_statistics,
     rollout,
 )
+from headlab.errors import UserError
 from headlab.hooks import capture
 from headlab.models.base import HeadModel
 from headlab.report import encode_attention, render
@@ -67,7 +68,7 @@ class _Encoded:
 def _tokenizer(model: HeadModel) -> Any:
     tok = getattr(model, "tokenizer", None)
     if tok is None:
-        raise ValueError(
+        raise UserError(
             "this model has no tokenizer (model.tokenizer is None); load it with its "
             "tokenizer files, or set model.tokenizer = AutoTokenizer.from_pretrained(...)"
         )
@@ -83,12 +84,12 @@ def _encode(model: HeadModel, text: str, text_b: str | None = None) -> _Encoded:
     """Tokenise ``text`` (and ``text_b`` as the second sentence of a pair), run the
     model once and capture every layer's attention pattern."""
     if not isinstance(text, str) or not text:
-        raise ValueError(f"text must be a non-empty string; got {text!r}")
+        raise UserError(f"text must be a non-empty string; got {text!r}")
     tok = _tokenizer(model)
     limit = getattr(model, "max_positions", None)
     pair = text_b is not None
     if pair and not (_accepts_token_types(model) or getattr(tok, "sep_token", None)):
-        raise ValueError(
+        raise UserError(
             f"sentence pairs need a model with segment embeddings (BERT) or a tokenizer "
             f"with a separator token (RoBERTa, ModernBERT); this is a "
             f"{getattr(model, 'family', type(model).__name__)} model: join the two texts "
@@ -129,7 +130,7 @@ def _after_separators(ids: list[int], sep_id: int | None) -> int:
             run_end = i + 1
         elif run_end is not None:
             return run_end
-    raise ValueError(
+    raise UserError(
         "the tokenizer marked sentence b neither with token_type_ids nor with a separator "
         "token between the two texts"
     )

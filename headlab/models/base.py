@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from headlab._io import atomic_path, atomic_write_text
+from headlab._io import atomic_path, atomic_write_text, os_error
 from headlab.attention import MultiHeadAttention
 from headlab.kv_cache import KVCache
 
@@ -217,7 +217,10 @@ class HeadModel(nn.Module):
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         state = _untie(state)
         with atomic_path(directory / "model.safetensors") as tmp:
-            save_file(state, str(tmp), metadata={"format": "pt"})
+            try:
+                save_file(state, str(tmp), metadata={"format": "pt"})
+            except Exception as exc:  # safetensors wraps a full disk in its own error
+                raise os_error(exc, directory / "model.safetensors") from exc
         atomic_write_text(directory / "config.json", json.dumps(meta, indent=2))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))

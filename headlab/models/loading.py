@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -26,7 +25,8 @@ from types import ModuleType
 import torch
 
 from headlab._io import cache_root
-from headlab.errors import ModelNotFoundError
+from headlab.errors import CorruptFileError, ModelNotFoundError, UserError
+from headlab.filecheck import check_safetensors, read_config, read_gguf_header
 from headlab.models.base import HEADLAB_FORMAT, HeadModel, load_into
 
 log = logging.getLogger(__name__)
@@ -176,12 +176,19 @@ def _load_dir(path: Path, with_tokenizer: bool) -> HeadModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not a model directory")
-    config = json.loads(cfg_file.read_text())
+    config = read_config(cfg_file)
     state = read_weights(path)
-    if "headlab_format" in config:
-        model = _rebuild(config, state, path)
-    else:
-        model = _family(config.get("model_type", "?")).from_hf(config, state, path=path)
+    try:
+        if "headlab_format" in config:
+            model = _rebuild(config, state, path)
+        else:
+            model = _family(config.get("model_type", "?")).from_hf(config, state, path=path)
+    except UserError:
+        raise
+    except KeyError as exc:  # the checkpoint's own config, not headlab, lacks the key
+        raise UserError(f"{cfg_file} lacks the key {exc}; restore the file") from exc
+    except ValueError as exc:  # a config or weights the family refuses, with the reason
+        raise UserError(f"{path}: {str(exc).splitlines()[0]}") from exc
     if with_tokenizer:
         model.tokenizer = _tokenizer(path)
     return model
@@ -218,7 +225,12 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     if files:
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(load_file(str(f)))
+            check_safetensors(f)  # before allocating what a corrupt header claims
+            try:
+                state.update(load_file(str(f)))
+            except Exception as exc:  # whatever the header check could not see
+                raise CorruptFileError(f"truncated or corrupt: {f} ({str(exc).splitlines()[0]}); "
+                                       "download or copy it again", path=str(f)) from exc
         return state
     bins = sorted(path.glob("pytorch_model*.bin"))
     if not bins:
@@ -230,7 +242,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         except Exception as exc:
             detail = next((line.strip() for line in str(exc).splitlines()
                            if "WeightsUnpickler error" in line), type(exc).__name__)
-            raise ValueError(
+            raise UserError(
                 f"refused to load {f}: it holds Python objects beyond plain tensors, and "
                 f"unpickling them could run code ({detail}); headlab only unpickles with "
                 "weights_only=True: convert the checkpoint to safetensors"
@@ -260,9 +272,13 @@ def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    read_gguf_header(path)  # a truncated or corrupt file is named before it is read
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    except ValueError as exc:  # an architecture or quantisation transformers cannot read
+        raise UserError(f"{path}: {str(exc).splitlines()[0]}") from exc
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     model = _family(hf.config.model_type).from_hf(hf.config.to_dict(), state, path=None)
     del hf
