@@ -35,7 +35,7 @@ from headlab.pruning import copy_model, prune
 from headlab.recovery import recover
 from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
 from headlab.schedule import prune_to_target
-from headlab.selection import heads_to_keep
+from headlab.selection import heads_to_keep, kv_groups
 
 log = logging.getLogger("headlab")
 
@@ -128,8 +128,7 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     model = load_model(cfg)
     n_keep = None
     if cfg.command == "prune":
-        n_keep = heads_to_keep(model.n_layers * model.n_original_heads, keep=cfg.keep,
-                               prune=cfg.prune)
+        n_keep = _target(cfg, model)
     scoring, heldout, seq_len = build_data(cfg, model)
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -156,6 +155,25 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
         set_status(out, "complete")
     distributed.barrier()  # no rank leaves (and tears down the group) while rank 0 writes
     return out, result
+
+
+def _target(cfg: RunConfig, model: HeadModel) -> int:
+    """How many units (query heads, or GQA groups with --unit kv-group) the run keeps."""
+    if cfg.unit == "head":
+        return heads_to_keep(model.n_layers * model.n_original_heads, keep=cfg.keep,
+                             prune=cfg.prune)
+    groups = kv_groups(model)
+    if all(len(g) == 1 for layer in groups for g in layer):
+        log.warning("%s has no GQA (one query head per key/value head): a group is one "
+                    "head, so --unit kv-group removes single heads, each with its "
+                    "key/value head", cfg.model)
+    fraction = cfg.kv_keep if cfg.kv_keep is not None else cfg.keep
+    sizes = {len(layer) for layer in groups}
+    if cfg.per_layer and len(sizes) == 1:
+        # the fraction of each layer's groups, rounded up per layer: every layer keeps
+        # the same number, so the model keeps one key/value head count (HF-exportable)
+        return len(groups) * heads_to_keep(sizes.pop(), keep=fraction)
+    return heads_to_keep(sum(len(layer) for layer in groups), keep=fraction)
 
 
 def resume_config(run_dir: Path) -> RunConfig:
@@ -304,7 +322,8 @@ class _Stage:
             schedule=cfg.schedule, step=cfg.step, per_layer=cfg.per_layer,
             min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
             seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
-            checkpoint=self.checkpoint, on_step=on_step)
+            checkpoint=self.checkpoint, on_step=on_step, unit=cfg.unit,
+            group_score=cfg.group_score)
 
     def _recover_options(self) -> dict[str, Any]:
         """The options the run's recovery method takes: the ridge for the least-squares
