@@ -78,6 +78,7 @@ class RunConfig:
     demote: bool = False  # heads pruning would remove keep a sink + window cache
     sinks: int = 4
     window: int = 256
+    decode_steps: int = 8  # timed decoding steps per context (kv-group and demote runs)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
@@ -192,6 +193,12 @@ class RunConfig:
         if self.window < 1:
             raise UserError(f"--window must be >= 1 position (the streaming heads' recent "
                             f"keys, the query's own included), got {self.window}")
+        if self.demote and self.unit != "kv-group":
+            raise UserError("--demote works on whole GQA groups (a key/value head serves "
+                            "its group): add --unit kv-group (on a model without GQA a "
+                            "group is one head)")
+        if self.decode_steps < 1:
+            raise UserError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.demote and self.export == "hf":
             raise UserError("--demote keeps heads with a sink + window cache, which plain "
                             "transformers cannot express: drop --export hf (the model is "

@@ -20,6 +20,7 @@ import torch
 
 from headlab import __version__, distributed
 from headlab._io import atomic_write_json
+from headlab.cache_report import KVCacheReport, measure_decode
 from headlab.checkpoint import Checkpoint
 from headlab.config import DTYPES, RunConfig, resolve_device
 from headlab.data import BUNDLED_SPEC, BUNDLED_WARNING, Blocks, load_texts, split_blocks
@@ -31,7 +32,7 @@ from headlab.models.export import export_hf, hf_expressible
 from headlab.models.loading import load
 from headlab.objectives import objective_for
 from headlab.overview import overview
-from headlab.pruning import copy_model, prune
+from headlab.pruning import copy_model, demote, demoted_heads, prune
 from headlab.recovery import recover
 from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
 from headlab.schedule import prune_to_target
@@ -264,7 +265,11 @@ class _Stage:
                                       100 * p.fraction_pruned, p.quality))
         curves[cfg.method] = res.curve
         # the model stays as it came: the reference for timing, overview and repair
-        pruned = prune(copy_model(model), res.plan)
+        if cfg.demote:  # the groups the plan would remove keep a sink + window cache
+            pruned = demote(copy_model(model), res.plan.as_demotion(), sinks=cfg.sinks,
+                            window=cfg.window)
+        else:
+            pruned = prune(copy_model(model), res.plan)
         latency = None
         if main:
             log.info("timing the pruned model against the unpruned one")
@@ -274,7 +279,10 @@ class _Stage:
         result_overview = self._overview() if main else None
         q_after = q_pruned = evaluate(pruned, self.heldout, batch_size=cfg.batch_size)
         recovery = None
-        if cfg.recover != "none":
+        if cfg.demote and cfg.recover != "none":
+            log.info("demoted heads are kept, not removed: no repair (--recover %s skipped)",
+                     cfg.recover)
+        if cfg.recover != "none" and not cfg.demote:
             log.info("repairing the pruned model with %s", cfg.recover)
             recovery = recover(pruned, model, self.scoring, method=cfg.recover,
                                batch_size=cfg.batch_size, **self._recover_options())
@@ -310,10 +318,37 @@ class _Stage:
             latency_ms=latency,
             kv_cache_bytes_per_token=BeforeAfter(before.kv_bytes, after.kv_bytes),
             export=export_note)
+        if main:
+            result.kv_cache = self._kv_cache(pruned, res)
         if result_overview is not None:
             result.sample, result.statistics, result.clusters = result_overview
         self._finish(result, res.scores)
         return result
+
+    def _kv_cache(self, pruned: HeadModel, res) -> KVCacheReport:
+        """The cache before and after: bytes per token at the evaluation length and the
+        model's maximum, and, for kv-group and demotion runs of a language model,
+        decoding tokens/s at the evaluation length and four times it."""
+        cfg, model = self.cfg, self.model
+        limit = model.max_positions
+        report = KVCacheReport(
+            unit=cfg.unit, group_score=cfg.group_score if cfg.unit == "kv-group" else None,
+            selection=cfg.method, demoted=demoted_heads(pruned),
+            sinks=cfg.sinks if cfg.demote else None,
+            window=cfg.window if cfg.demote else None,
+            eval_length=self.seq_len, max_length=limit,
+            bytes_per_token_eval=(model.kv_cache_bytes_per_token(self.seq_len),
+                                  pruned.kv_cache_bytes_per_token(self.seq_len)),
+            bytes_per_token_max=(model.kv_cache_bytes_per_token(limit),
+                                 pruned.kv_cache_bytes_per_token(limit)),
+            # removing the demoted groups instead: the schedule's last masked point
+            quality_removed=res.curve[-1].quality if cfg.demote else None)
+        if (cfg.unit == "kv-group" or cfg.demote) and objective_for(model).generates:
+            log.info("timing decoding steps before and after")
+            contexts = sorted({self.seq_len, min(4 * self.seq_len, limit)})
+            report.decode = measure_decode(model, pruned, contexts=contexts,
+                                           steps=cfg.decode_steps)
+        return report
 
     def _schedule(self, method: str, n_keep: int, *, per_token: bool, on_step=None):
         cfg = self.cfg

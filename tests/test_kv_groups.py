@@ -188,10 +188,44 @@ def test_kv_group_on_a_model_without_gqa_prunes_single_heads(tiny_gpt2_dir, capl
     ({"unit": "kv-group", "prune": 3}, "not --prune"),
     ({"unit": "group", "keep": 0.5}, "--unit must be one of"),
     ({"unit": "kv-group", "keep": 0.5, "group_score": "mean"}, "--group-score"),
-    ({"keep": 0.5, "demote": True, "export": "hf"}, "drop --export hf"),
-    ({"keep": 0.5, "demote": True, "window": 0}, "--window must be >= 1"),
-    ({"keep": 0.5, "demote": True, "sinks": -1}, "--sinks must be >= 0"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "demote": True, "export": "hf"},
+     "drop --export hf"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "demote": True, "window": 0},
+     "--window must be >= 1"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "demote": True, "sinks": -1},
+     "--sinks must be >= 0"),
+    ({"keep": 0.5, "demote": True}, "add --unit kv-group"),
 ])
 def test_bad_kv_cache_options_say_what_to_do(kw, match):
     with pytest.raises(UserError, match=match):
         RunConfig(model="m", **kw).validated()
+
+
+def test_demote_run_records_the_cache_and_keeps_the_demotion(gqa_dir, tmp_path):
+    import json
+
+    from headlab.pruning import demoted_heads
+    from headlab.report import build_report
+    from headlab.results import RunResult
+    from headlab.runs import run
+
+    out, result = run(RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=0.5,
+                                demote=True, sinks=2, window=8, max_tokens=1024, seq_len=32,
+                                step=0.5, decode_steps=2, out=str(tmp_path / "run")))
+    kv = result.kv_cache
+    # half of 6 groups kept whole, the other 3 demoted: no head removed
+    assert result.heads_per_layer.after == [6, 6]
+    assert sum(len(v) for v in kv.demoted.values()) == 6
+    model = headlab.load(out / "model")
+    assert demoted_heads(model) == kv.demoted
+    # per token at 32 tokens: 3 full kv heads x 32 + 3 demoted x (2 + 8), over 32
+    per_head = 2 * 8 * 4
+    assert kv.bytes_per_token_eval == (6 * per_head, per_head * (3 * 32 + 3 * 10) / 32)
+    assert kv.bytes_per_token_max == (6 * per_head, per_head * (3 * 256 + 3 * 10) / 256)
+    assert [d.context for d in kv.decode] == [32, 128]
+    assert all(d.before > 0 and d.after > 0 for d in kv.decode)
+    assert kv.quality_removed == result.curve[-1].quality
+    back = RunResult.from_json(json.loads((out / "results.json").read_text()))
+    assert back.kv_cache == kv
+    build_report(back, tmp_path / "r.html")
+    assert "demoted (streaming) heads" in (tmp_path / "r.html").read_text()
