@@ -91,9 +91,10 @@ def _num(x: Any) -> float | None:
 
 @torch.inference_mode()
 def decode_step_times(models: Mapping[str, HeadModel], *, context: int, steps: int,
-                      seed: int = 0) -> dict[str, list[float]]:
+                      seed: int = 0, caches: dict | None = None) -> dict[str, list[float]]:
     """Seconds per greedy decoding step of each model after a ``context``-token prompt
-    (random tokens, batch 1), the models' steps interleaved; one untimed warm-up step."""
+    (random tokens, batch 1), the models' steps interleaved; one untimed warm-up step.
+    ``caches``, when given, receives each model's cache at the end."""
     first = next(iter(models.values()))
     vocab = first.config.vocab_size
     device = first.device
@@ -118,6 +119,8 @@ def decode_step_times(models: Mapping[str, HeadModel], *, context: int, steps: i
             if step:  # the first step warms up
                 out[name].append(time.perf_counter() - t0)
             state[name] = (cache, token)
+    if caches is not None:
+        caches.update({name: cache for name, (cache, _) in state.items()})
     return out
 
 
