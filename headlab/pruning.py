@@ -39,6 +39,10 @@ def demote(model: HeadModel, plan: PrunePlan, *, sinks: int = 4, window: int = 2
     demoted (`headlab.selection.select_groups` chooses such plans); a plan that demotes
     part of a group is refused. The plan's pruned heads are removed first.
     """
+    if not model.causal:
+        raise UserError(f"demotion keeps the first and the last positions of a causal "
+                        f"model's past; {model.family} ({model.kind}) attends both ways: "
+                        "prune its heads instead (without --demote)")
     target = model if inplace else copy_model(model)
     if any(plan.pruned.values()):
         prune(target, plan)

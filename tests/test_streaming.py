@@ -198,3 +198,23 @@ def test_demoting_part_of_a_group_is_refused(gqa_dir):
     plan = PrunePlan({0: list(range(6))}, {0: []}, {0: [2]})
     with pytest.raises(UserError, match="whole groups"):
         demote(headlab.load(gqa_dir), plan)
+
+
+def test_demoting_an_encoder_is_refused():
+    encoder = headlab.load("minilm-l6")
+    plan = PrunePlan({0: list(range(12))}, {0: []}, {0: [0]})
+    with pytest.raises(UserError, match="attends both ways"):
+        demote(encoder, plan)
+
+
+def test_the_command_refuses_demote_with_export_hf(gqa_dir, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "headlab", "prune", "--model", str(gqa_dir),
+                        "--unit", "kv-group", "--kv-keep", "0.5", "--demote", "--export", "hf",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert "drop --export hf" in r.stderr
+    assert not (tmp_path / "run").exists()
