@@ -67,6 +67,10 @@ class _Split:
     kv_stream: torch.Tensor  # (H_kv_s,)
     index_full: torch.Tensor  # (H_f,) each full query head's key/value head in kv_full
     index_stream: torch.Tensor  # (H_s,)
+    # whether a subset's groups are equal and contiguous: SDPA's enable_gqa then reads
+    # each key/value head in place instead of a copy per query head
+    regular_full: bool = False
+    regular_stream: bool = False
 
 
 def split_of(attn: MultiHeadAttention) -> _Split:
@@ -87,11 +91,19 @@ def split_of(attn: MultiHeadAttention) -> _Split:
     def t(x):
         return torch.tensor(x, dtype=torch.long, device=dev)
 
-    split = _Split(t(q_full), t(q_stream), t(kv_full), t(kv_stream),
-                   t([kv_full.index(kv_index[p]) for p in q_full]),
-                   t([kv_stream.index(kv_index[p]) for p in q_stream]))
+    index_full = [kv_full.index(kv_index[p]) for p in q_full]
+    index_stream = [kv_stream.index(kv_index[p]) for p in q_stream]
+    split = _Split(t(q_full), t(q_stream), t(kv_full), t(kv_stream), t(index_full),
+                   t(index_stream), _regular(index_full, len(kv_full)),
+                   _regular(index_stream, len(kv_stream)))
     attn.__dict__["_streaming_split"] = (attn.kv_head_ids, attn.streaming, split)
     return split
+
+
+def _regular(index: list[int], n_kv: int) -> bool:
+    """Equal contiguous groups: [0, 0, 1, 1, ...] (each key/value head's query heads)."""
+    return n_kv > 0 and len(index) % n_kv == 0 and index == [
+        g for g in range(n_kv) for _ in range(len(index) // n_kv)]
 
 
 class StreamingCache:
@@ -197,15 +209,16 @@ def attend(
     if mask.bias is not None:
         bias_s = _heads(mask.bias, split.q_stream)[..., kpos]
     full = (q[:, split.q_full], kf, vf, split.index_full, _heads(mask.allowed, split.q_full),
-            _heads(mask.bias, split.q_full), mask.causal_only)
-    stream = (q[:, split.q_stream], ks, vs, split.index_stream, allowed_s, bias_s, False)
+            _heads(mask.bias, split.q_full), mask.causal_only, split.regular_full)
+    stream = (q[:, split.q_stream], ks, vs, split.index_stream, allowed_s, bias_s, False,
+              split.regular_stream)
     if eager:
         return _eager(attn, full, stream, split, kpos, T)
     z = q.new_empty(B, H, S, D)
-    for (qx, kx, vx, index, allowed, bias, causal), heads in ((full, split.q_full),
-                                                              (stream, split.q_stream)):
+    for (qx, kx, vx, index, allowed, bias, causal, regular), heads in (
+            (full, split.q_full), (stream, split.q_stream)):
         if heads.numel():
-            z[:, heads] = _fast(attn, qx, kx, vx, index, allowed, bias, causal)
+            z[:, heads] = _fast(attn, qx, kx, vx, index, allowed, bias, causal, regular)
     return z, None
 
 
@@ -219,9 +232,10 @@ def _expand(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.index_select(1, index)
 
 
-def _fast(attn, q, k, v, index, allowed, bias, causal) -> torch.Tensor:
+def _fast(attn, q, k, v, index, allowed, bias, causal, regular) -> torch.Tensor:
     """SDPA over one subset; rows with no key give zeros. Returns z (B, H_x, S, D)."""
-    k, v = _expand(k, index), _expand(v, index)
+    if not regular:
+        k, v = _expand(k, index), _expand(v, index)
     ok = None
     if allowed is not None:
         ok = allowed.any(-1, keepdim=True)  # (B|1, 1, S, 1)
@@ -231,7 +245,8 @@ def _fast(attn, q, k, v, index, allowed, bias, causal) -> torch.Tensor:
         allowed = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)
     dropout = attn.dropout if attn.training else 0.0
     z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
-                                       is_causal=causal, scale=attn.scale)
+                                       is_causal=causal, scale=attn.scale,
+                                       enable_gqa=regular and k.shape[1] != q.shape[1])
     return z if ok is None else z * ok.to(z.dtype)
 
 
@@ -243,8 +258,8 @@ def _eager(attn, full, stream, split: _Split, kpos: torch.Tensor, T: int):
     H = split.q_full.numel() + split.q_stream.numel()
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.full((B, H, S, T), -math.inf, dtype=acc, device=q.device)
-    for (qx, kx, _, index, allowed, bias, causal), heads in ((full, split.q_full),
-                                                           (stream, split.q_stream)):
+    for (qx, kx, _, index, allowed, bias, causal, _), heads in ((full, split.q_full),
+                                                              (stream, split.q_stream)):
         if not heads.numel():
             continue
         s = torch.matmul(qx.to(acc), _expand(kx, index).to(acc).transpose(-1, -2)) * attn.scale
