@@ -41,6 +41,7 @@ from torch.nn.utils import skip_init
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.kv_cache import KVCache
 from headlab.masks import Mask
+from headlab.streaming import Streaming, attend
 
 __all__ = ["MultiHeadAttention", "apply_rotary"]
 
@@ -169,6 +170,8 @@ class MultiHeadAttention(nn.Module):
         # (gate tensor, its version, all ones?): holding the tensor itself, not its id,
         # so a new gate tensor can never be mistaken for a freed one at the same address
         self._gate_state: tuple[torch.Tensor | None, int, bool] = (None, -1, True)
+        # demoted key/value heads with a sink + window cache (headlab.streaming), or None
+        self.streaming: Streaming | None = None
         self._refresh_layout()
 
         # Hook points, in the order the forward reaches them.
@@ -259,12 +262,14 @@ class MultiHeadAttention(nn.Module):
             k = self.k(k.transpose(1, 2)).transpose(1, 2)
         if self.v._forward_hooks:
             v = self.v(v.transpose(1, 2)).transpose(1, 2)
-        if cache is not None:
+        if cache is not None and self.streaming is None:
             k, v = cache.append(k, v)  # (B, H_kv, T, D)
 
         eager = (need_weights or self.scores._forward_hooks or self.pattern._forward_hooks
                  or self.softcap is not None)
-        if eager:
+        if self.streaming is not None:  # demoted heads: their own cache and mask
+            z, weights = attend(self, q, k, v, mask, cache, eager=bool(eager))
+        elif eager:
             z, weights = self._eager(q, k, v, mask)
         else:
             z, weights = self._fast(q, k, v, mask), None

@@ -233,6 +233,12 @@ def prune(
     = opt.D["recover_lr"],
     recover_temperature: Annotated[float, typer.Option(help="distill: KL temperature.")]
     = opt.D["recover_temperature"],
+    unit: opt.UnitOpt = opt.DEFAULT_UNIT,
+    group_score: opt.GroupScoreOpt = opt.DEFAULT_GROUP_SCORE,
+    kv_keep: opt.KvKeepOpt = None,
+    demote: opt.DemoteOpt = False,
+    sinks: opt.SinksOpt = opt.D["sinks"],
+    window: opt.WindowOpt = opt.D["window"],
     quiet: opt.QuietOpt = False,
     json_mode: opt.JsonOpt = False,
     resume: opt.ResumeOpt = None,
@@ -254,6 +260,8 @@ def prune(
         recover=recover.value, recover_ridge=recover_ridge, recover_tokens=recover_tokens,
         recover_params=recover_params.value, recover_lr=recover_lr,
         recover_temperature=recover_temperature,
+        unit=unit.value, group_score=group_score.value, kv_keep=kv_keep, demote=demote,
+        sinks=sinks, window=window,
     )
     _guard(_execute, config, quiet, json_mode, resume)
 

@@ -21,6 +21,8 @@ from headlab.config import (
     SCHEDULES,
     RunConfig,
 )
+from headlab.schedule import UNITS
+from headlab.selection import GROUP_SCORES
 
 Method = StrEnum("Method", [(m, m) for m in METHODS])
 Schedule = StrEnum("Schedule", [(m, m) for m in SCHEDULES])
@@ -69,3 +71,20 @@ MinmaxOpt = Annotated[bool, typer.Option(
     help="Rescale all scores to [0, 1] (as the bertology script did).")]
 PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
 ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
+
+Unit = StrEnum("Unit", [(m, m) for m in UNITS])
+GroupScore = StrEnum("GroupScore", [(m, m) for m in GROUP_SCORES])
+DEFAULT_UNIT, DEFAULT_GROUP_SCORE = Unit(D["unit"]), GroupScore(D["group_score"])
+UnitOpt = Annotated[Unit, typer.Option(
+    help="What is scored and removed: query heads, or whole GQA groups (a key/value head "
+         "and its query heads), so every removal shrinks the key/value cache.")]
+GroupScoreOpt = Annotated[GroupScore, typer.Option(
+    help="kv-group: a group's score is the sum (or max) of its query heads' scores.")]
+KvKeepOpt = Annotated[float | None, typer.Option(
+    help="Fraction of key/value heads (groups) to keep, in (0, 1]; needs --unit kv-group.")]
+DemoteOpt = Annotated[bool, typer.Option(
+    help="Demote instead of remove: the heads pruning would remove (whole GQA groups) "
+         "attend only to the first --sinks and the last --window positions and keep only "
+         "those in their key/value cache.")]
+SinksOpt = Annotated[int, typer.Option(help="--demote: attention-sink positions kept.")]
+WindowOpt = Annotated[int, typer.Option(help="--demote: recent positions kept (>= 1).")]

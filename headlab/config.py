@@ -20,6 +20,8 @@ from headlab.importance import METHODS, PER_TOKEN_METHODS
 from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.recovery import RECOVERY_METHODS
 from headlab.recovery.distill import PARAMS as RECOVER_PARAMS
+from headlab.schedule import UNITS
+from headlab.selection import GROUP_SCORES
 
 SCHEDULES = ("iterative", "one-shot")
 DEVICES = ("auto", "cpu", "cuda")
@@ -69,6 +71,14 @@ class RunConfig:
     checkpoint_every: int = 10
     latency_batch: int = 4
     latency_seq_len: int = 128
+    # the key/value cache: what a schedule counts and removes, and demotion instead
+    unit: str = "head"  # or "kv-group": whole GQA groups
+    group_score: str = "sum"  # a group's score from its query heads': sum or max
+    kv_keep: float | None = None  # fraction of key/value heads (groups) to keep
+    demote: bool = False  # heads pruning would remove keep a sink + window cache
+    sinks: int = 4
+    window: int = 256
+    decode_steps: int = 8  # timed decoding steps per context (kv-group and demote runs)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
@@ -110,8 +120,11 @@ class RunConfig:
             raise UserError("give --keep or --prune, not both")
         if self.prune is not None and self.prune < 1:
             raise UserError(f"--prune must be at least 1 head, got {self.prune}")
-        if self.command == "prune" and self.keep is None and self.prune is None:
-            raise UserError("prune needs a target: --keep FRACTION (e.g. 0.6) or --prune N")
+        if (self.command == "prune" and self.keep is None and self.prune is None
+                and self.kv_keep is None):
+            raise UserError("prune needs a target: --keep FRACTION (e.g. 0.6), --prune N "
+                            "or --kv-keep FRACTION with --unit kv-group")
+        self._check_kv_cache()
         if self.schedule not in SCHEDULES:
             raise UserError(f"--schedule must be iterative or one-shot, got {self.schedule!r}")
         if not 0 < self.step <= 1:
@@ -153,6 +166,43 @@ class RunConfig:
         if not 0 < self.heldout < 1:
             raise UserError(f"heldout must be in (0, 1), got {self.heldout}")
         return self
+
+    def _check_kv_cache(self) -> None:
+        """The key/value-cache options: unit, group score, kv_keep, demotion."""
+        if self.unit not in UNITS:
+            raise UserError(f"--unit must be one of {', '.join(UNITS)}, got {self.unit!r}")
+        if self.group_score not in GROUP_SCORES:
+            raise UserError(f"--group-score must be one of {', '.join(GROUP_SCORES)}, "
+                            f"got {self.group_score!r}")
+        if self.kv_keep is not None:
+            if not 0 < self.kv_keep <= 1:
+                raise UserError(f"--kv-keep must be in (0, 1] (a fraction of the key/value "
+                                f"heads), got {self.kv_keep}")
+            if self.unit != "kv-group":
+                raise UserError("--kv-keep counts key/value heads: add --unit kv-group")
+            if self.keep is not None or self.prune is not None:
+                raise UserError("give --kv-keep or --keep/--prune, not both")
+        if self.unit == "kv-group" and self.prune is not None:
+            raise UserError("--unit kv-group removes whole groups: give --kv-keep FRACTION "
+                            "(or --keep, the fraction of query heads), not --prune")
+        if self.unit == "kv-group" and self.min_heads_per_layer:
+            raise UserError("--min-heads-per-layer counts query heads; with --unit kv-group "
+                            "use --per-layer to keep groups in every layer")
+        if self.sinks < 0:
+            raise UserError(f"--sinks must be >= 0, got {self.sinks}")
+        if self.window < 1:
+            raise UserError(f"--window must be >= 1 position (the streaming heads' recent "
+                            f"keys, the query's own included), got {self.window}")
+        if self.demote and self.unit != "kv-group":
+            raise UserError("--demote works on whole GQA groups (a key/value head serves "
+                            "its group): add --unit kv-group (on a model without GQA a "
+                            "group is one head)")
+        if self.decode_steps < 1:
+            raise UserError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.demote and self.export == "hf":
+            raise UserError("--demote keeps heads with a sink + window cache, which plain "
+                            "transformers cannot express: drop --export hf (the model is "
+                            "saved in headlab format), or prune without --demote")
 
 
 def _check_type(name: str, declared: str, value: Any) -> None:

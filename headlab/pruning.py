@@ -14,8 +14,10 @@ from collections.abc import Iterator
 
 import torch
 
+from headlab.errors import UserError
 from headlab.models.base import HeadModel
-from headlab.selection import PrunePlan
+from headlab.selection import PrunePlan, kv_groups
+from headlab.streaming import Streaming
 
 
 def prune(model: HeadModel, plan: PrunePlan, *, inplace: bool = True) -> HeadModel:
@@ -26,6 +28,54 @@ def prune(model: HeadModel, plan: PrunePlan, *, inplace: bool = True) -> HeadMod
     for attn in target.attentions:
         attn.set_gates(torch.ones(attn.n_heads))
     return target
+
+
+def demote(model: HeadModel, plan: PrunePlan, *, sinks: int = 4, window: int = 256,
+           inplace: bool = True) -> HeadModel:
+    """Make the plan's demoted heads streaming heads: they attend to the first ``sinks``
+    and the last ``window`` positions only, and their key/value cache keeps just those.
+
+    A key/value head serves every query head of its group, so whole GQA groups are
+    demoted (`headlab.selection.select_groups` chooses such plans); a plan that demotes
+    part of a group is refused. The plan's pruned heads are removed first.
+    """
+    if not model.causal:
+        raise UserError(f"demotion keeps the first and the last positions of a causal "
+                        f"model's past; {model.family} ({model.kind}) attends both ways: "
+                        "prune its heads instead (without --demote)")
+    target = model if inplace else copy_model(model)
+    if any(plan.pruned.values()):
+        prune(target, plan)
+    for layer, groups in enumerate(kv_groups(target)):
+        heads = set(plan.demoted.get(layer, ()))
+        attn = target.attentions[layer]
+        whole = [g for g in groups if heads & set(g)]
+        partial = [g for g in whole if not set(g) <= heads]
+        if partial:
+            raise UserError(
+                f"layer {layer}: demoting heads {sorted(heads)} splits the GQA group(s) "
+                f"{partial}; a key/value head serves its whole group, so demote whole groups "
+                "(--unit kv-group)")
+        if whole:
+            kv = {int(attn.kv_head_ids[attn.kv_index[pos]])
+                  for pos, h in enumerate(attn.head_ids.tolist()) if h in heads}
+            attn.streaming = Streaming(tuple(sorted(kv)), sinks=sinks, window=window)
+        else:
+            attn.streaming = None
+    return target
+
+
+def demoted_heads(model: HeadModel) -> dict[int, list[int]]:
+    """{layer: original query heads} that are streaming heads (empty layers left out)."""
+    out = {}
+    for layer, attn in enumerate(model.attentions):
+        if attn.streaming is not None:
+            kv = set(attn.streaming.kv_heads)
+            heads = [h for pos, h in enumerate(attn.head_ids.tolist())
+                     if int(attn.kv_head_ids[attn.kv_index[pos]]) in kv]
+            if heads:
+                out[layer] = heads
+    return out
 
 
 def copy_model(model: HeadModel) -> HeadModel:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
 from headlab.analysis import HeadClusters
+from headlab.cache_report import KVCacheReport
 from headlab.errors import UserError
 from headlab.recovery import RecoveryReport
 from headlab.schedule import CurvePoint
@@ -109,6 +110,7 @@ class RunResult:
     params: BeforeAfter[int] = field(default_factory=BeforeAfter)
     latency_ms: Latency | None = None
     kv_cache_bytes_per_token: BeforeAfter[int] = field(default_factory=BeforeAfter)
+    kv_cache: KVCacheReport | None = None  # unit, demotion, bytes at lengths, decode speed
     export: str | None = None
     recovery: RecoveryReport | None = None
     sample: Sample | None = None
@@ -146,6 +148,7 @@ class RunResult:
             "params": asdict(self.params),
             "latency_ms": None if self.latency_ms is None else asdict(self.latency_ms),
             "kv_cache_bytes_per_token": asdict(self.kv_cache_bytes_per_token),
+            "kv_cache": None if self.kv_cache is None else self.kv_cache.to_json(),
             "export": self.export,
             "recovery": None if self.recovery is None else self.recovery.to_json(),
             "sample": None if self.sample is None else asdict(self.sample),
@@ -208,6 +211,7 @@ class RunResult:
             kv_cache_bytes_per_token=BeforeAfter(
                 _int(_section(d, "kv_cache_bytes_per_token").get("before")),
                 _int(_section(d, "kv_cache_bytes_per_token").get("after"))),
+            kv_cache=KVCacheReport.from_json(d.get("kv_cache")),
             export=_str(d.get("export")),
             recovery=_recovery(d.get("recovery")),
             sample=_sample(d.get("sample")),

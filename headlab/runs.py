@@ -19,6 +19,7 @@ import torch
 
 from headlab import __version__, distributed
 from headlab._io import atomic_dir, atomic_write_json
+from headlab.cache_report import KVCacheReport, measure_decode
 from headlab.checkpoint import Checkpoint
 from headlab.config import DTYPES, RunConfig, resolve_device
 from headlab.data import BUNDLED_SPEC, BUNDLED_WARNING, Blocks, load_texts, split_blocks
@@ -32,12 +33,12 @@ from headlab.models.loading import load
 from headlab.objectives import objective_for
 from headlab.overview import overview
 from headlab.preflight import check_run
-from headlab.pruning import copy_model, prune
+from headlab.pruning import copy_model, demote, demoted_heads, prune
 from headlab.recovery import recover
 from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
 from headlab.runlock import RunLock, remove_stale_temps
 from headlab.schedule import prune_to_target
-from headlab.selection import heads_to_keep
+from headlab.selection import heads_to_keep, kv_groups
 
 log = logging.getLogger("headlab")
 
@@ -132,8 +133,7 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     model = load_model(cfg)
     n_keep = None
     if cfg.command == "prune":
-        n_keep = heads_to_keep(model.n_layers * model.n_original_heads, keep=cfg.keep,
-                               prune=cfg.prune)
+        n_keep = _target(cfg, model)
     scoring, heldout, seq_len = build_data(cfg, model)
     lock = None
     if main:
@@ -179,6 +179,25 @@ def _claim(out: Path, cfg: RunConfig, *, resumed: bool) -> RunLock:
                         "--overwrite or another --out")
     remove_stale_temps(out)
     return lock
+
+
+def _target(cfg: RunConfig, model: HeadModel) -> int:
+    """How many units (query heads, or GQA groups with --unit kv-group) the run keeps."""
+    if cfg.unit == "head":
+        return heads_to_keep(model.n_layers * model.n_original_heads, keep=cfg.keep,
+                             prune=cfg.prune)
+    groups = kv_groups(model)
+    if all(len(g) == 1 for layer in groups for g in layer):
+        log.warning("%s has no GQA (one query head per key/value head): a group is one "
+                    "head, so --unit kv-group removes single heads, each with its "
+                    "key/value head", cfg.model)
+    fraction = cfg.kv_keep if cfg.kv_keep is not None else cfg.keep
+    sizes = {len(layer) for layer in groups}
+    if cfg.per_layer and len(sizes) == 1:
+        # the fraction of each layer's groups, rounded up per layer: every layer keeps
+        # the same number, so the model keeps one key/value head count (HF-exportable)
+        return len(groups) * heads_to_keep(sizes.pop(), keep=fraction)
+    return heads_to_keep(sum(len(layer) for layer in groups), keep=fraction)
 
 
 def resume_config(run_dir: Path) -> RunConfig:
@@ -270,7 +289,11 @@ class _Stage:
                                       100 * p.fraction_pruned, p.quality))
         curves[cfg.method] = res.curve
         # the model stays as it came: the reference for timing, overview and repair
-        pruned = prune(copy_model(model), res.plan)
+        if cfg.demote:  # the groups the plan would remove keep a sink + window cache
+            pruned = demote(copy_model(model), res.plan.as_demotion(), sinks=cfg.sinks,
+                            window=cfg.window)
+        else:
+            pruned = prune(copy_model(model), res.plan)
         latency = None
         if main:
             log.info("timing the pruned model against the unpruned one")
@@ -280,7 +303,10 @@ class _Stage:
         result_overview = self._overview() if main else None
         q_after = q_pruned = evaluate(pruned, self.heldout, batch_size=cfg.batch_size)
         recovery = None
-        if cfg.recover != "none":
+        if cfg.demote and cfg.recover != "none":
+            log.info("demoted heads are kept, not removed: no repair (--recover %s skipped)",
+                     cfg.recover)
+        if cfg.recover != "none" and not cfg.demote:
             log.info("repairing the pruned model with %s", cfg.recover)
             recovery = recover(pruned, model, self.scoring, method=cfg.recover,
                                batch_size=cfg.batch_size, **self._recover_options())
@@ -317,10 +343,37 @@ class _Stage:
             latency_ms=latency,
             kv_cache_bytes_per_token=BeforeAfter(before.kv_bytes, after.kv_bytes),
             export=export_note)
+        if main:
+            result.kv_cache = self._kv_cache(pruned, res)
         if result_overview is not None:
             result.sample, result.statistics, result.clusters = result_overview
         self._finish(result, res.scores)
         return result
+
+    def _kv_cache(self, pruned: HeadModel, res) -> KVCacheReport:
+        """The cache before and after: bytes per token at the evaluation length and the
+        model's maximum, and, for kv-group and demotion runs of a language model,
+        decoding tokens/s at the evaluation length and four times it."""
+        cfg, model = self.cfg, self.model
+        limit = model.max_positions
+        report = KVCacheReport(
+            unit=cfg.unit, group_score=cfg.group_score if cfg.unit == "kv-group" else None,
+            selection=cfg.method, demoted=demoted_heads(pruned),
+            sinks=cfg.sinks if cfg.demote else None,
+            window=cfg.window if cfg.demote else None,
+            eval_length=self.seq_len, max_length=limit,
+            bytes_per_token_eval=(model.kv_cache_bytes_per_token(self.seq_len),
+                                  pruned.kv_cache_bytes_per_token(self.seq_len)),
+            bytes_per_token_max=(model.kv_cache_bytes_per_token(limit),
+                                 pruned.kv_cache_bytes_per_token(limit)),
+            # removing the demoted groups instead: the schedule's last masked point
+            quality_removed=res.curve[-1].quality if cfg.demote else None)
+        if (cfg.unit == "kv-group" or cfg.demote) and objective_for(model).generates:
+            log.info("timing decoding steps before and after")
+            contexts = sorted({self.seq_len, min(4 * self.seq_len, limit)})
+            report.decode = measure_decode(model, pruned, contexts=contexts,
+                                           steps=cfg.decode_steps)
+        return report
 
     def _schedule(self, method: str, n_keep: int, *, per_token: bool, on_step=None):
         cfg = self.cfg
@@ -329,7 +382,8 @@ class _Stage:
             schedule=cfg.schedule, step=cfg.step, per_layer=cfg.per_layer,
             min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
             seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
-            checkpoint=self.checkpoint, on_step=on_step)
+            checkpoint=self.checkpoint, on_step=on_step, unit=cfg.unit,
+            group_score=cfg.group_score)
 
     def _recover_options(self) -> dict[str, Any]:
         """The options the run's recovery method takes: the ridge for the least-squares

@@ -21,7 +21,9 @@ from headlab.importance import HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.pruning import trial
-from headlab.selection import PrunePlan, heads_to_keep, select
+from headlab.selection import PrunePlan, heads_to_keep, kv_groups, select, select_groups
+
+UNITS = ("head", "kv-group")  # what a schedule counts and removes: query heads or GQA groups
 
 
 @dataclass
@@ -73,6 +75,8 @@ def prune_to_target(
     score_kwargs: Mapping | None = None,
     on_step: Callable[[CurvePoint], None] | None = None,
     checkpoint: Checkpoint | None = None,
+    unit: str = "head",
+    group_score: str = "sum",
 ) -> ScheduleResult:
     """Score, mask and re-score down to ``n_keep`` heads; record held-out quality per step.
 
@@ -83,22 +87,38 @@ def prune_to_target(
     with the result's plan to remove the weights. With a ``checkpoint`` each finished
     step (and each scoring's progress) is saved, and a call with the same checkpoint
     resumes where the last one stopped.
+
+    ``unit="kv-group"`` counts and removes whole GQA groups (`select_groups`, scored by
+    ``group_score``): ``n_keep`` and ``step`` are then in groups, and the curve's
+    fraction pruned is the fraction of groups (of key/value heads) gone.
     """
     if schedule not in ("iterative", "one-shot"):
         raise UserError(f"schedule must be 'iterative' or 'one-shot', got {schedule!r}")
     if not 0 < step <= 1:
         raise UserError(f"step must be in (0, 1], got {step}")
-    total = model.n_layers * model.n_original_heads
+    if unit not in UNITS:
+        raise UserError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    groups = kv_groups(model) if unit == "kv-group" else None
+    total = (sum(len(g) for g in groups) if groups is not None
+             else model.n_layers * model.n_original_heads)
+    what = "groups" if groups is not None else "heads"
     if not 1 <= n_keep <= total:
-        raise UserError(f"n_keep must be between 1 and {total} heads (the model has "
+        raise UserError(f"n_keep must be between 1 and {total} {what} (the model has "
                         f"{total}), got {n_keep}")
     kw = dict(score_kwargs or {})
     per_step = max(1, round(step * total))
-    key = f"prune/{method}"
+    key = f"prune/{method}" if groups is None else f"prune/{method}/kv-group"
+
+    def choose(scores: HeadScores, n: int) -> PrunePlan:
+        if groups is None:
+            return select(scores, n, per_layer=per_layer,
+                          min_heads_per_layer=min_heads_per_layer)
+        return select_groups(scores, groups, n, per_layer=per_layer, group_score=group_score)
 
     def measure(n_kept: int) -> CurvePoint:
         q = evaluate(model, heldout, batch_size=batch_size)
-        point = CurvePoint(round(1 - n_kept / total, 6), q.value, q.loss, n_kept)
+        heads = n_kept if groups is None else sum(int((g != 0).sum()) for g in model.gates())
+        point = CurvePoint(round(1 - n_kept / total, 6), q.value, q.loss, heads)
         if on_step:
             on_step(point)
         return point
@@ -124,7 +144,7 @@ def prune_to_target(
             n_now = saved["n_now"]
         else:
             masked = {}
-            n_now = sum(model.heads_per_layer)
+            n_now = total if groups is not None else sum(model.heads_per_layer)
             curve = [measure(n_now)]
             step_scores = [scored(0)]
         plan = _plan_of(step_scores[0], masked)
@@ -133,8 +153,7 @@ def prune_to_target(
             n_now = max(n_keep, n_now - per_step)
             # each step's plan lists every head pruned so far: they score NaN (iterative)
             # or rank lower (one-shot); decided once, applied on every rank
-            plan = distributed.broadcast(select(step_scores[-1], n_now, per_layer=per_layer,
-                                                min_heads_per_layer=min_heads_per_layer))
+            plan = distributed.broadcast(choose(step_scores[-1], n_now))
             model.mask_heads(plan.pruned)
             curve.append(measure(n_now))
             if schedule == "iterative" and n_now > n_keep:

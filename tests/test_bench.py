@@ -129,7 +129,12 @@ def test_each_benchmark_has_its_targets(tiny_run):
     assert figures["hooks"] == {"idle_over_switched_off"}
     assert figures["importance"] == {"scoring_over_forward_backward"}
     assert figures["pruning"] == {"B4_S16.drop_over_predicted"}
-    assert figures["generate"] == {"speed_vs_transformers", "kernel_over_torch_products"}
+    long = {f for f in figures["generate"] if f.startswith("long_")}
+    assert figures["generate"] - long == {"speed_vs_transformers", "kernel_over_torch_products"}
+    # the long-context section: exact cache bytes at both contexts, the demotion speed-up
+    assert {"long_pruned_cache_error_bytes_at_32", "long_demoted_cache_error_bytes_at_32",
+            "long_pruned_cache_error_bytes_at_252", "long_demoted_cache_error_bytes_at_252",
+            "long_demoted_speedup_over_predicted"} <= long
     assert figures["quality"] == {"minilm-l6.michel_unnormalised_over_random"}
     assert figures["recovery"] == {"minilm-l6.kept_over_none", "minilm-l6.recover_over_michel",
                                    "minilm-l6.keep_1_max_abs_diff"}

@@ -40,6 +40,7 @@ def test_a_results_json_without_a_version_reads_back_key_for_key(kind):
     assert written.pop("schema_version") == 1
     # what schema 2 added, absent from the old file: no recovery ran
     assert written.pop("recovery") is None
+    assert written.pop("kv_cache") is None  # no kv-group or demotion run
     assert written["quality"].pop("pruned") is None
     assert written["quality"].pop("loss_pruned") is None
     assert written == json.loads(json.dumps(old))

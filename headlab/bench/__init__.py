@@ -13,7 +13,9 @@ same process, on the same weights and inputs, timed as `headlab._timing` describ
     pruning     latency drop of a model pruned to keep 0.5 vs the FLOP-predicted drop
     generate    SmolLM2 greedy decoding tokens/s with the decoding kernel vs torch's
                 products and vs transformers' generate; the fraction of the
-                memory-bandwidth bound
+                memory-bandwidth bound; long context: tokens/s, cache bytes and held-out
+                perplexity at 512, 2048 and 8192 tokens before and after kv-group pruning
+                and demotion of half the groups (`headlab.bench.long_context`)
     quality     held-out quality lost when pruning with michel vs with random scores
                 (3 seeds), on the real bundled SmolLM2 and MiniLM; not a timing
     recovery    held-out loss kept after the default repair (lsq) / without it, at keep
@@ -46,6 +48,7 @@ from headlab.bench.attention import AttentionSizes, bench_attention
 from headlab.bench.generate import GenerateSizes, bench_generate
 from headlab.bench.hooks import HooksSizes, bench_hooks
 from headlab.bench.importance import ImportanceSizes, bench_importance
+from headlab.bench.long_context import LongContextSizes
 from headlab.bench.models import ModelsSizes, bench_models
 from headlab.bench.pruning import PruningSizes, bench_pruning, count_flops
 from headlab.bench.quality import QualitySizes, bench_quality
@@ -95,7 +98,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "hooks": HooksSizes(seq=32, repeats=15, capture_repeats=3),
         "importance": ImportanceSizes(batch=1, seq=64, repeats=2),
         "pruning": PruningSizes(shapes=((16, 16), (1, 16)), repeats=5),
-        "generate": GenerateSizes(new_tokens=32, repeats=3, copy_mib=256),
+        "generate": GenerateSizes(new_tokens=32, repeats=3, copy_mib=256,
+                                  long_context=LongContextSizes(contexts=(512, 2048),
+                                                                steps=8)),
         "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048))),
         "recovery": RecoverySizes(runs=(("smollm2-135m", 64, 1024, ()),
                                         ("minilm-l6", 128, 2048, (("normalize", False),)))),
@@ -112,7 +117,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                                       repeats=3),
         "pruning": PruningSizes(model=TINY_GPT2, shapes=((4, 16), (1, 16)), repeats=3),
         "generate": GenerateSizes(model=TINY_LLAMA, prompt=4, new_tokens=8, repeats=3,
-                                  copy_mib=4),
+                                  copy_mib=4, long_context=LongContextSizes(
+                                      contexts=(32, None), steps=3, sinks=2, window=8,
+                                      scoring_tokens=64, scoring_seq=32)),
         "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4),
         "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4),
     },

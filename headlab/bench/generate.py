@@ -12,6 +12,7 @@ import torch
 from headlab._timing import rate, ratios, time_interleaved
 from headlab.bench._common import BenchResult, Timing
 from headlab.bench._models import SMOLLM2, ModelCache, ModelSpec, model_cache, random_ids
+from headlab.bench.long_context import LongContextSizes, long_context_section
 
 __all__ = ["KERNEL_TARGET", "GenerateSizes", "bench_generate"]
 
@@ -28,6 +29,8 @@ class GenerateSizes(Timing):
     prompt: int = 16
     new_tokens: int = 128
     copy_mib: int = 512
+    # the key/value cache after kv-group pruning and demotion (None: skipped)
+    long_context: LongContextSizes | None = LongContextSizes()
 
 
 def _agree(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -121,4 +124,6 @@ def bench_generate(sizes: GenerateSizes, *, device: str = "cpu",
                             f"torch's products ({N} new tokens)")
         res.info.append(("fraction_of_bandwidth_bound",
                          "headlab decode tokens/s / memory-bandwidth bound"))
+        if sizes.long_context is not None:
+            long_context_section(res, model, sizes.long_context, device)
     return res

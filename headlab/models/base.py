@@ -21,6 +21,7 @@ from torch import nn
 from headlab._io import atomic_path, atomic_write_text, os_error
 from headlab.attention import MultiHeadAttention
 from headlab.kv_cache import KVCache
+from headlab.streaming import StreamingCache, cache_bytes, n_streaming
 
 HEADLAB_FORMAT = 1
 
@@ -149,10 +150,21 @@ class HeadModel(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def kv_cache_bytes_per_token(self) -> int:
-        """Bytes of key/value cache one token costs across all layers."""
+    def kv_cache_bytes_per_token(self, length: int | None = None) -> float:
+        """Bytes of key/value cache one token costs across all layers: each further
+        token's, or with ``length`` the cache holding ``length`` positions / length.
+        Demoted key/value heads (`headlab.streaming`) keep at most sinks + window
+        positions, so they add nothing per further token."""
         size = torch.finfo(self.dtype).bits // 8
-        return sum(2 * a.n_kv_heads * a.head_dim * size for a in self.attentions)
+        if length is None:
+            return sum(2 * a.head_dim * size * (a.n_kv_heads - n_streaming(a))
+                       for a in self.attentions)
+        return self.kv_cache_bytes(length) / length
+
+    def kv_cache_bytes(self, length: int) -> int:
+        """Bytes of the key/value cache holding ``length`` positions, batch 1."""
+        size = torch.finfo(self.dtype).bits // 8
+        return sum(cache_bytes(a, length, dtype_size=size) for a in self.attentions)
 
     # ---------------------------------------------------------------- gates
     def gates(self) -> list[torch.Tensor]:
@@ -191,7 +203,11 @@ class HeadModel(nn.Module):
         raise NotImplementedError(f"{self.family} does not expose its blocks one by one")
 
     def new_cache(self) -> Cache:
-        return Cache(self.n_layers)
+        cache = Cache(self.n_layers)
+        for i, attn in enumerate(self.attentions):
+            if attn.streaming is not None:  # demoted heads: sinks + a ring of the window
+                cache.layers[i] = StreamingCache(attn.streaming)
+        return cache
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """Greedy or sampled continuation with the KV cache; see `headlab.generation`."""
@@ -213,6 +229,9 @@ class HeadModel(nn.Module):
             "layout": self.layout(),
             # which layers' W_O has a bias: recovery may give one to a family without
             "out_bias": [a.o_proj.bias is not None for a in self.attentions],
+            # demoted key/value heads per layer (headlab.streaming), None where none
+            "streaming": [a.streaming.to_json() if a.streaming is not None else None
+                          for a in self.attentions],
         }
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         state = _untie(state)

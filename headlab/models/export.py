@@ -20,6 +20,9 @@ def hf_expressible(model: HeadModel) -> str | None:
     """None when the pruned shape fits the family's HF config; else the reason."""
     if model.hf_export_unsupported:
         return f"{model.family}: {model.hf_export_unsupported}"
+    if any(a.streaming is not None for a in model.attentions):
+        return ("the model has demoted heads (a sink + window cache), which a Hugging Face "
+                "config cannot express: keep the headlab format, or prune without --demote")
     heads = set(model.heads_per_layer)
     if len(heads) != 1 or 0 in heads:
         return (f"layers keep different numbers of heads ({model.heads_per_layer}); HF configs "

@@ -28,6 +28,7 @@ from headlab._io import cache_root
 from headlab.errors import CorruptFileError, ModelNotFoundError, UserError
 from headlab.filecheck import check_safetensors, read_config, read_gguf_header
 from headlab.models.base import HEADLAB_FORMAT, HeadModel, load_into
+from headlab.streaming import Streaming
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,9 @@ def _rebuild(meta: dict, state: dict[str, torch.Tensor], path: Path) -> HeadMode
         if has_bias:  # a bias recovery added to a family built without one
             attn.ensure_out_bias()
     load_into(model, state, what=f"headlab model at {path}")
+    for attn, streaming in zip(model.attentions, meta.get("streaming") or [], strict=False):
+        if streaming is not None:  # demoted heads keep their sink + window cache
+            attn.streaming = Streaming.from_json(streaming)
     return model
 
 

@@ -104,7 +104,35 @@ def summary_rows(result: RunResult) -> list[dict]:
              higher_is_better=False, note=lat_note),
         _row("key/value cache per token", result.kv_cache_bytes_per_token.before,
              result.kv_cache_bytes_per_token.after, _bytes, higher_is_better=False),
+        *kv_cache_rows(result),
     ]
+
+
+def kv_cache_rows(result: RunResult) -> list[dict]:
+    """The cache at the evaluation and the maximum length, decoding speed per context,
+    and the demoted heads (kv-group and demotion runs)."""
+    kv = result.kv_cache
+    if kv is None:
+        return []
+    rows = [_row(f"key/value cache per token at {n:,} tokens", *pair, _bytes,
+                 higher_is_better=False, note=note)
+            for n, pair, note in ((kv.eval_length, kv.bytes_per_token_eval, "evaluation length"),
+                                  (kv.max_length, kv.bytes_per_token_max, "model maximum"))
+            if n]
+    rows += [_row(f"decoding at {d.context:,} tokens of context", d.before, d.after,
+                  lambda x: f"{x:,.1f} tokens/s", higher_is_better=True,
+                  note=f"batch 1, greedy, median of {d.steps} steps") for d in kv.decode]
+    if kv.demoted:
+        n = sum(len(v) for v in kv.demoted.values())
+        note = (f"sinks {kv.sinks} + window {kv.window}; chosen by {kv.selection}, "
+                f"{kv.unit}")
+        rows.append(_row("demoted (streaming) heads", 0, n, _count, note=note))
+        q = result.quality
+        if kv.quality_removed is not None:
+            rows.append(_row(f"{q.metric or 'quality'} with those groups removed instead",
+                             q.before, kv.quality_removed, _sig,
+                             higher_is_better=q.higher_is_better))
+    return rows
 
 
 def _sig_or_missing(v: Any) -> str:

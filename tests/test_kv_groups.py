@@ -1,0 +1,231 @@
+"""Pruning by whole GQA groups (`--unit kv-group`, `--kv-keep`).
+
+Known answers from a hand-built score table (every group sum and max written down);
+equivalences: a model pruned by whole groups == the same model with those groups' gates
+at 0, and its key/value cache shrinks by exactly the groups removed; references: the
+per-layer pruned model exported to Hugging Face format loads in plain transformers
+with the same logits and fewer key/value heads.
+
+Shape notation: L layers, H query heads, H_kv key/value heads, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import transformers
+from torch.testing import assert_close
+
+import headlab
+from headlab.config import RunConfig
+from headlab.data import load_texts, make_blocks, split_blocks
+from headlab.errors import UserError
+from headlab.importance import HeadScores
+from headlab.models.export import export_hf, hf_expressible
+from headlab.pruning import prune
+from headlab.schedule import prune_to_target
+from headlab.selection import kv_groups, select_groups
+
+# float32 logits of a 2-layer model along two paths: rounding only
+SAME = {"rtol": 1e-5, "atol": 1e-5}
+# 2 layers x 6 query heads in 3 groups of 2: group sums [5, 13, 3] and [20, 1, 9],
+# group maxima [4, 7, 2] and [11, 1, 5]
+TABLE = [[1.0, 4.0, 6.0, 7.0, 2.0, 1.0],
+         [9.0, 11.0, 0.5, 0.5, 5.0, 4.0]]
+GROUPS = [[[0, 1], [2, 3], [4, 5]]] * 2
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(tmp_path_factory, bpe_tokenizer):
+    """A random Llama, 2 layers x 6 query heads over 3 key/value heads (groups of 2)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(bpe_tokenizer), hidden_size=48, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("tiny-gqa-llama")
+    model.save_pretrained(path)
+    bpe_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def ids() -> torch.Tensor:
+    return torch.randint(0, 500, (2, 19), generator=torch.Generator().manual_seed(1))
+
+
+def test_kv_groups_lists_each_key_value_heads_query_heads(gqa_dir, tiny_gpt2):
+    model = headlab.load(gqa_dir)
+    assert kv_groups(model) == GROUPS
+    model.prune_heads({0: [2, 3], 1: [5]})
+    assert kv_groups(model) == [[[0, 1], [4, 5]], [[0, 1], [2, 3], [4]]]
+    # without GQA a group is one head
+    assert kv_groups(tiny_gpt2) == [[[h] for h in range(4)]] * 3
+
+
+@pytest.mark.parametrize(("group_score", "n", "kept"), [
+    # sums: 20, 13, 9, 5, 3, 1 -> the best 3 are layer 1 group 0, layer 0 group 1, layer 1 group 2
+    ("sum", 3, {0: [2, 3], 1: [0, 1, 4, 5]}),
+    # maxima: 11, 7, 5, 4, 2, 1 -> layer 1 group 0, layer 0 group 1, layer 1 group 2
+    ("max", 3, {0: [2, 3], 1: [0, 1, 4, 5]}),
+    # the 4th best differs: sum 5 (layer 0 group 0) vs max 4 (layer 0 group 0): same;
+    # the 5th: sum 3 (layer 0 group 2) vs max 2 (layer 0 group 2)
+    ("sum", 5, {0: [0, 1, 2, 3, 4, 5], 1: [0, 1, 4, 5]}),
+])
+def test_select_groups_keeps_the_best_groups_whole(group_score, n, kept):
+    plan = select_groups(HeadScores(TABLE, "hand"), GROUPS, n, group_score=group_score)
+    assert plan.kept == kept
+    assert plan.pruned == {layer: [h for h in range(6) if h not in kept[layer]]
+                           for layer in kept}
+
+
+def test_sum_and_max_rank_differently():
+    # group (1.0, 9.0) sums to 10 but peaks at 9; group (6.0, 6.0) sums 12, peaks at 6
+    table = HeadScores([[1.0, 9.0, 6.0, 6.0]], "hand")
+    groups = [[[0, 1], [2, 3]]]
+    assert select_groups(table, groups, 1, group_score="sum").kept == {0: [2, 3]}
+    assert select_groups(table, groups, 1, group_score="max").kept == {0: [0, 1]}
+    with pytest.raises(UserError, match="group score"):
+        select_groups(table, groups, 1, group_score="mean")
+
+
+def test_per_layer_groups_and_masked_heads():
+    plan = select_groups(HeadScores(TABLE, "hand"), GROUPS, 2, per_layer=True)
+    # one group per layer: the best of each layer
+    assert plan.kept == {0: [2, 3], 1: [0, 1]}
+    # a head already masked (NaN) leaves its group scored by the rest, and stays pruned
+    table = [row[:] for row in TABLE]
+    table[1][0] = math.nan  # layer 1 group 0 now sums to 11
+    plan = select_groups(HeadScores(table, "hand"), GROUPS, 2)
+    assert plan.kept == {0: [2, 3], 1: [1]}
+    assert 0 in plan.pruned[1]
+
+
+def test_kv_group_pruning_equals_gating_the_group(gqa_dir, ids):
+    model = headlab.load(gqa_dir)
+    plan = select_groups(HeadScores(TABLE, "hand"), kv_groups(model), 3)
+    gated = headlab.load(gqa_dir)
+    gated.mask_heads(plan.pruned)
+    bytes_before = model.kv_cache_bytes_per_token()
+    prune(model, plan)
+    with torch.no_grad():
+        assert_close(model(ids).logits, gated(ids).logits, **SAME)
+    assert model.kv_heads_per_layer == [1, 2]
+    # every removal takes a key/value head: 3 of 6 go, the cache halves exactly
+    per_kv_head = 2 * 8 * 4  # K and V, D = 8, float32
+    assert model.kv_cache_bytes_per_token() == bytes_before - 3 * per_kv_head
+    assert bytes_before == 6 * per_kv_head
+
+
+def test_schedule_by_groups_removes_whole_groups(gqa_dir, bpe_tokenizer):
+    model = headlab.load(gqa_dir)
+    blocks = make_blocks(load_texts(), bpe_tokenizer, kind="causal-lm", seq_len=16,
+                         max_tokens=16 * 6)
+    scoring, heldout = split_blocks(blocks, heldout=0.5, seed=0)
+    res = prune_to_target(model, scoring, heldout, method="michel", n_keep=2, step=0.34,
+                          unit="kv-group")
+    groups = {(layer, tuple(g)) for layer, lg in enumerate(GROUPS) for g in lg}
+    kept = {(layer, tuple(heads[i:i + 2])) for layer, heads in res.plan.kept.items()
+            for i in range(0, len(heads), 2)}
+    assert kept <= groups and res.plan.n_kept == 4
+    # the curve counts groups: 6 -> 4 -> 2 of 6 (2 per step), with the query heads left
+    assert [p.heads_kept for p in res.curve] == [12, 8, 4]
+    assert [p.fraction_pruned for p in res.curve] == pytest.approx([0, 1 / 3, 2 / 3],
+                                                                   abs=1e-6)
+    assert all(g == 1 for gate in model.gates() for g in gate.tolist())
+
+
+def test_per_layer_groups_export_to_transformers_with_fewer_kv_heads(gqa_dir, ids, tmp_path):
+    model = headlab.load(gqa_dir)
+    plan = select_groups(HeadScores(TABLE, "hand"), kv_groups(model), 4, per_layer=True)
+    prune(model, plan)
+    assert hf_expressible(model) is None
+    export_hf(model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.num_key_value_heads == 2 and hf.config.num_attention_heads == 4
+    with torch.no_grad():
+        assert_close(hf(ids).logits, model(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_run_by_groups_exports_to_transformers(gqa_dir, tmp_path):
+    from headlab.runs import run
+
+    out, result = run(RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=0.5,
+                                per_layer=True, export="hf", recover="none", max_tokens=1024,
+                                seq_len=32, step=0.5, out=str(tmp_path / "run")))
+    # 0.5 of 3 groups per layer, rounded up: 2 of 3 groups in each layer, 2 x 2 of 6 heads
+    assert result.kv_heads_per_layer.after == [2, 2]
+    assert result.heads_per_layer.after == [4, 4]
+    assert result.export == "model-hf/"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "model-hf").eval()
+    assert hf.config.num_key_value_heads == 2
+    ours = headlab.load(out / "model")
+    ids = torch.randint(0, 500, (1, 9))
+    with torch.no_grad():
+        assert_close(hf(ids).logits, ours(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_kv_group_on_a_model_without_gqa_prunes_single_heads(tiny_gpt2_dir, caplog):
+    from headlab.runs import _target, load_model
+
+    cfg = RunConfig(model=str(tiny_gpt2_dir), unit="kv-group", kv_keep=0.5).validated()
+    with caplog.at_level(logging.WARNING, logger="headlab"):
+        n = _target(cfg, load_model(cfg))
+    assert n == 6  # half of 3 x 4 single-head groups
+    assert "a group is one head" in caplog.text
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"unit": "kv-group", "kv_keep": 0.0}, "--kv-keep must be in"),
+    ({"unit": "kv-group", "kv_keep": 1.5}, "--kv-keep must be in"),
+    ({"unit": "kv-group", "kv_keep": -0.2}, "--kv-keep must be in"),
+    ({"kv_keep": 0.5}, "add --unit kv-group"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "keep": 0.5}, "not both"),
+    ({"unit": "kv-group", "prune": 3}, "not --prune"),
+    ({"unit": "group", "keep": 0.5}, "--unit must be one of"),
+    ({"unit": "kv-group", "keep": 0.5, "group_score": "mean"}, "--group-score"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "demote": True, "export": "hf"},
+     "drop --export hf"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "demote": True, "window": 0},
+     "--window must be >= 1"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "demote": True, "sinks": -1},
+     "--sinks must be >= 0"),
+    ({"keep": 0.5, "demote": True}, "add --unit kv-group"),
+])
+def test_bad_kv_cache_options_say_what_to_do(kw, match):
+    with pytest.raises(UserError, match=match):
+        RunConfig(model="m", **kw).validated()
+
+
+def test_demote_run_records_the_cache_and_keeps_the_demotion(gqa_dir, tmp_path):
+    import json
+
+    from headlab.pruning import demoted_heads
+    from headlab.report import build_report
+    from headlab.results import RunResult
+    from headlab.runs import run
+
+    out, result = run(RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=0.5,
+                                demote=True, sinks=2, window=8, max_tokens=1024, seq_len=32,
+                                step=0.5, decode_steps=2, out=str(tmp_path / "run")))
+    kv = result.kv_cache
+    # half of 6 groups kept whole, the other 3 demoted: no head removed
+    assert result.heads_per_layer.after == [6, 6]
+    assert sum(len(v) for v in kv.demoted.values()) == 6
+    model = headlab.load(out / "model")
+    assert demoted_heads(model) == kv.demoted
+    # per token at 32 tokens: 3 full kv heads x 32 + 3 demoted x (2 + 8), over 32
+    per_head = 2 * 8 * 4
+    assert kv.bytes_per_token_eval == (6 * per_head, per_head * (3 * 32 + 3 * 10) / 32)
+    assert kv.bytes_per_token_max == (6 * per_head, per_head * (3 * 256 + 3 * 10) / 256)
+    assert [d.context for d in kv.decode] == [32, 128]
+    assert all(d.before > 0 and d.after > 0 for d in kv.decode)
+    assert kv.quality_removed == result.curve[-1].quality
+    back = RunResult.from_json(json.loads((out / "results.json").read_text()))
+    assert back.kv_cache == kv
+    build_report(back, tmp_path / "r.html")
+    assert "demoted (streaming) heads" in (tmp_path / "r.html").read_text()
