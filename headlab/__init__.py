@@ -15,6 +15,7 @@
 __version__ = "0.1.0"
 
 from headlab.data import Blocks, load_texts, make_blocks, split_blocks  # noqa: E402
+from headlab.detectors import detect  # noqa: E402
 from headlab.evaluate import Quality, evaluate  # noqa: E402
 from headlab.hooks import Capture, capture, hooks  # noqa: E402
 from headlab.importance import HeadScores, score  # noqa: E402
@@ -37,6 +38,7 @@ __all__ = [
     "Quality",
     "__version__",
     "capture",
+    "detect",
     "evaluate",
     "heads_to_keep",
     "hooks",

@@ -369,6 +369,49 @@ def inspect(
 
 
 @app.command()
+def detect(
+    model: opt.ModelOpt,
+    kinds: Annotated[list[str] | None, typer.Option(
+        "--kinds", help="Detectors to run (repeat the option); default: all that apply.")]
+    = None,
+    n: Annotated[int, typer.Option(help="Examples per detector.")] = 16,
+    seq_len: Annotated[int, typer.Option(help="Tokens per text block or needle prompt.")]
+    = 128,
+    top: Annotated[int, typer.Option(help="Heads listed per detector.")] = 5,
+    seed: opt.SeedOpt = opt.D["seed"],
+    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
+    out: Annotated[Path | None, typer.Option(help="Write every score here (JSON).")] = None,
+    json_mode: opt.JsonOpt = False,
+) -> None:
+    """Head types: previous-token, induction, duplicate-token, sink, retrieval (decoders)
+    or [CLS]/[SEP]/punctuation/next-token (encoders), each a score in [0, 1] per head.
+
+    Example: headlab detect --model smollm2-135m --kinds induction --kinds previous-token
+    """
+    _setup(True, json_mode)
+
+    def body():
+        from headlab._io import atomic_write_json
+        from headlab.config import resolve_device
+        from headlab.detectors import detect_all, top_heads
+        from headlab.models import load
+
+        m = load(model, device=resolve_device(device.value))
+        found = detect_all(m, kinds, n=n, seq_len=seq_len, seed=seed)
+        if out is not None:
+            atomic_write_json(out, {k: s.to_json() for k, s in found.items()})
+        if json_mode:
+            typer.echo(json.dumps({k: s.to_json() for k, s in found.items()}))
+            return
+        for kind, scores in found.items():
+            best = ", ".join(f"L{layer}H{head} {v:.3f}" for layer, head, v in
+                             top_heads(scores, top))
+            typer.echo(f"{kind:>16}: {best}")
+
+    _guard(body)
+
+
+@app.command()
 def report(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) -> None:
     """Rebuild RUN_DIR/report.html from RUN_DIR/results.json alone."""
     _setup(True, False)
