@@ -339,6 +339,11 @@ def inspect(
     = None,
     top: Annotated[int, typer.Option(help="Rows of the table (most confident heads).")] = 20,
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
+    target: Annotated[str | None, typer.Option(
+        help="With --foil: each head's direct logit attribution to logit(target) - "
+             "logit(foil) at the last position (decoders), one token each.")] = None,
+    foil: Annotated[str | None, typer.Option(help="The token the target is compared with.")]
+    = None,
 ) -> None:
     """Per-head statistics for one text, and an optional HTML attention view.
 
@@ -347,6 +352,13 @@ def inspect(
     _setup(False, False)
 
     def body():
+        if (target is None) != (foil is None):
+            from headlab.errors import UserError
+
+            raise UserError("give --target and --foil together")
+        if target is not None:
+            _print_attribution(model, text, target, foil, top, device.value)
+            return
         from headlab.viz import inspect_text
 
         table, written = inspect_text(model, text, html=html, device=device.value)
@@ -366,6 +378,22 @@ def inspect(
             typer.echo(f"view: {written}")
 
     _guard(body)
+
+
+def _print_attribution(model: str, text: str, target: str, foil: str, top: int,
+                       device: str) -> None:
+    from headlab.attribution import logit_attribution
+    from headlab.config import resolve_device
+    from headlab.models import load
+
+    found = logit_attribution(load(model, device=resolve_device(device)), text,
+                              target=target, foil=foil)
+    heads = found.total() - sum(found.rest.values())
+    typer.echo(f"logit({target!r}) - logit({foil!r}) = {found.logit_diff:.4f} at the last "
+               f"position: heads {heads:.4f}, the rest {sum(found.rest.values()):.4f} (final "
+               f"norm scale frozen at {found.norm_scale:.4g})")
+    for layer, head, v in found.top(top):
+        typer.echo(f"  L{layer}H{head} {v:+.4f}")
 
 
 @app.command()
