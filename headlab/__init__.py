@@ -21,6 +21,7 @@ from headlab.hooks import Capture, capture, hooks  # noqa: E402
 from headlab.importance import HeadScores, score  # noqa: E402
 from headlab.models import HeadModel, load  # noqa: E402
 from headlab.objectives import prepare  # noqa: E402
+from headlab.patching import patch  # noqa: E402
 from headlab.pruning import prune  # noqa: E402
 from headlab.recovery import RecoveryReport, recover  # noqa: E402
 from headlab.results import RunResult  # noqa: E402
@@ -45,6 +46,7 @@ __all__ = [
     "load",
     "load_texts",
     "make_blocks",
+    "patch",
     "prepare",
     "prune",
     "prune_to_target",
