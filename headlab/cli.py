@@ -440,6 +440,56 @@ def detect(
 
 
 @app.command()
+def validate(
+    model: opt.ModelOpt,
+    methods: Annotated[list[opt.Method] | None, typer.Option(
+        "--methods", help="Importance methods to check (repeat); default: all.")] = None,
+    kinds: Annotated[list[str] | None, typer.Option(
+        "--kinds", help="Detectors to check (repeat); default: all that apply.")] = None,
+    data: opt.DataOpt = None,
+    max_tokens: Annotated[int, typer.Option(help="Token budget for scoring + held-out.")]
+    = 4096,
+    seq_len: opt.SeqLenOpt = 128,
+    batch_size: opt.BatchSizeOpt = opt.D["batch_size"],
+    n_boot: Annotated[int, typer.Option(help="Bootstrap draws over held-out examples.")]
+    = 1000,
+    seed: opt.SeedOpt = opt.D["seed"],
+    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
+    out: Annotated[Path | None, typer.Option(help="Write the validation here (JSON).")]
+    = None,
+    json_mode: opt.JsonOpt = False,
+) -> None:
+    """Each head's true single-head ablation cost on held-out data, and how well every
+    importance method and detector ranks it (Spearman, bootstrap 95% CI, pruning-curve
+    area / random's).
+
+    Example: headlab validate --model minilm-l6 --methods michel --methods random
+    """
+    _setup(True, json_mode)
+
+    def body():
+        from headlab._io import atomic_write_json
+        from headlab.importance import METHODS
+        from headlab.runs import build_data, load_model
+        from headlab.validation import validate as run_validation
+
+        cfg = RunConfig.from_dict(dict(
+            model=model, command="score", data=data, max_tokens=max_tokens, seq_len=seq_len,
+            batch_size=batch_size, seed=seed, device=device.value))
+        m = load_model(cfg)
+        scoring, heldout, _ = build_data(cfg, m)
+        found = run_validation(m, scoring, heldout,
+                               methods=[x.value for x in methods] if methods else METHODS,
+                               detectors=kinds, batch_size=batch_size, n_boot=n_boot,
+                               seed=seed, name=model)
+        if out is not None:
+            atomic_write_json(out, found.to_json())
+        typer.echo(json.dumps(found.to_json()) if json_mode else found.table())
+
+    _guard(body)
+
+
+@app.command()
 def report(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) -> None:
     """Rebuild RUN_DIR/report.html from RUN_DIR/results.json alone."""
     _setup(True, False)

@@ -69,14 +69,12 @@ class Validation:
         return next(r for r in self.rows if r.name == name)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["true_cost"] = [[None if math.isnan(v) else v for v in r] for r in self.true_cost]
-        return d
+        """A JSON-ready dict; NaN (a pruned head, a ratio without a random area) as null."""
+        return _nan_to_none(asdict(self))
 
     @classmethod
     def from_json(cls, d: dict) -> Validation:
-        d = dict(d)
-        d["true_cost"] = [[math.nan if v is None else v for v in r] for r in d["true_cost"]]
+        d = _none_to_nan(dict(d))
         d["rows"] = [MethodCheck(**{**r, "ci": tuple(r["ci"])}) for r in d["rows"]]
         return cls(**d)
 
@@ -98,6 +96,26 @@ class Validation:
                 f"{self.n_examples} held-out examples, {self.n_boot} bootstrap draws<table>"
                 "<tr><th>method</th><th>kind</th><th>Spearman</th><th>95% CI</th>"
                 f"<th>AUC / random</th></tr>{body}</table></div>")
+
+
+def _nan_to_none(x):
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
+def _none_to_nan(x):
+    if x is None:
+        return math.nan
+    if isinstance(x, dict):
+        return {k: _none_to_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_none_to_nan(v) for v in x]
+    return x
 
 
 def spearman(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

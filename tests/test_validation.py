@@ -59,3 +59,19 @@ def test_validate_table(tiny_gpt2, tiny_blocks):
     assert "| ablation | importance | +1.000 |" in got.table()
     back = headlab.validation.Validation.from_json(got.to_json())
     assert back.table() == got.table()
+
+
+def test_cli_validate_prints_the_table(tiny_gpt2_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+
+    out = tmp_path / "validation.json"
+    result = CliRunner().invoke(app, ["validate", "--model", str(tiny_gpt2_dir), "--methods",
+                                      "entropy", "--methods", "random", "--kinds", "sink",
+                                      "--max-tokens", "192", "--seq-len", "24", "--n-boot",
+                                      "50", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = headlab.validation.Validation.from_json(__import__("json").loads(out.read_text()))
+    assert [r.name for r in saved.rows] == ["entropy", "random", "sink"]
+    assert saved.table() in result.output
