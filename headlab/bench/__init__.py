@@ -96,7 +96,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "importance": ImportanceSizes(batch=1, seq=64, repeats=2),
         "pruning": PruningSizes(shapes=((16, 16), (1, 16)), repeats=5),
         "generate": GenerateSizes(new_tokens=32, repeats=3, copy_mib=256),
-        "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048))),
+        "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048)),
+                                validate=(("minilm-l6", 64, 1024),)),
         "recovery": RecoverySizes(runs=(("smollm2-135m", 64, 1024, ()),
                                         ("minilm-l6", 128, 2048, (("normalize", False),)))),
     },
@@ -113,7 +114,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pruning": PruningSizes(model=TINY_GPT2, shapes=((4, 16), (1, 16)), repeats=3),
         "generate": GenerateSizes(model=TINY_LLAMA, prompt=4, new_tokens=8, repeats=3,
                                   copy_mib=4),
-        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4),
+        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4, validate=()),
         "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4),
     },
 }
