@@ -13,6 +13,13 @@ that sum once its scale is frozen at the value it has on the actual residual
 with w, b the norm's weight and bias, P the centering (LayerNorm) or the identity
 (RMSNorm), s the frozen scale and u the unembedding rows. Heads are attributed their
 direct path only: what they do through later layers counts to those layers' parts.
+
+A post-norm masked LM (BERT) normalises the residual after every sublayer, and its MLM
+head is dense, activation, LayerNorm, then the tied embeddings. Each part is carried
+through every later LayerNorm with that norm's scale frozen, through the dense layer,
+through the activation with its gate act(a)/a frozen at the actual pre-activation a
+(exact for GELU's a * Phi(a) with Phi frozen), and through the last LayerNorm; each
+norm's bias and the dense layer's bias join the rest. The sum stays exact.
 """
 
 from __future__ import annotations
@@ -102,13 +109,15 @@ def _token_id(tokenizer, token: str | int) -> tuple[int, str]:
 
 @torch.no_grad()
 def logit_attribution(model: HeadModel, text: str | torch.Tensor, *, target: str | int,
-                      foil: str | int, position: int = -1) -> LogitAttribution:
+                      foil: str | int, position: int | None = None) -> LogitAttribution:
     """Each head's direct contribution to logit(target) - logit(foil) at ``position`` of
-    ``text`` (a string, or input ids (1, S)); see the module docstring."""
+    ``text`` (a string, or input ids (1, S)); see the module docstring. By default the
+    position is the last (decoders) or the first [MASK] token (masked LMs)."""
     norm = getattr(model, "final_norm", None)
-    if not model.causal or norm is None:
-        raise UserError(f"direct logit attribution reads a pre-norm decoder's residual "
-                        f"stream; {model.family} ({model.kind}) is not one")
+    masked_lm = model.kind == "masked-lm" and hasattr(model, "mlm")
+    if not masked_lm and (not model.causal or norm is None):
+        raise UserError(f"direct logit attribution reads a pre-norm decoder's or a masked "
+                        f"LM's residual stream; {model.family} ({model.kind}) is neither")
     tok = model.tokenizer
     if isinstance(text, str):
         ids = torch.tensor([tok(text)["input_ids"]])
@@ -117,6 +126,13 @@ def logit_attribution(model: HeadModel, text: str | torch.Tensor, *, target: str
     ids = ids.to(model.device)
     t_id, t_name = _token_id(tok, target)
     f_id, f_name = _token_id(tok, foil)
+    if position is None:
+        position = -1
+        mask_id = getattr(tok, "mask_token_id", None)
+        if masked_lm and mask_id is not None and bool((ids[0] == mask_id).any()):
+            position = int((ids[0] == mask_id).nonzero()[0])
+    if masked_lm:
+        return _masked_lm(model, ids, t_id, t_name, f_id, f_name, position, text)
     with capture(model, ["z", "resid_pre", "resid_mid", "resid_post"]) as cap:
         logits = model(ids).logits[0, position].double()  # (V,)
     pos = position % ids.shape[1]
@@ -158,3 +174,68 @@ def _frozen_norm(norm: nn.Module, x: torch.Tensor):
         return (lambda c: weight * (c - c.mean()) * inv), bias, inv
     inv = float(1.0 / torch.sqrt(x.pow(2).mean() + eps))  # RMSNorm
     return (lambda c: weight * c * inv), torch.zeros_like(weight), inv
+
+
+def _frozen_layer_norm(ln: nn.LayerNorm, x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """``parts`` (N, E) through ``ln`` with its scale frozen at input ``x`` (E,)."""
+    inv = 1.0 / torch.sqrt(x.double().var(unbiased=False) + ln.eps)
+    return ln.weight.double() * (parts - parts.mean(-1, keepdim=True)) * inv
+
+
+@torch.no_grad()
+def _masked_lm(model, ids, t_id, t_name, f_id, f_name, position, text) -> LogitAttribution:
+    """The post-norm walk of the module docstring, one part per row of ``parts``."""
+    with capture(model, ["z", "out", "resid_pre", "resid_mid", "resid_post"]) as cap:
+        logits = model(ids).logits[0, position].double()  # (V,)
+    pos = position % ids.shape[1]
+    names = ["embeddings"]
+    parts = cap["blocks.0.resid_pre"][0, pos].double()[None]  # (N, E)
+
+    def add(name: str, vector: torch.Tensor) -> None:
+        nonlocal parts
+        names.append(name)
+        parts = torch.cat([parts, vector.double()[None]])
+
+    def through(ln: nn.LayerNorm, x: torch.Tensor) -> None:
+        nonlocal parts
+        parts = _frozen_layer_norm(ln, x, parts)
+        add("norm_bias", ln.bias.double())
+
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        z = cap[f"blocks.{i}.attn.z"][0, pos].double()  # (H, D)
+        w_o = attn.o_proj.weight.double().view(attn.d_model, attn.n_heads, attn.head_dim)
+        for p, h in enumerate(cap.head_ids[f"blocks.{i}.attn.z"]):
+            add(f"head.{i}.{h}", torch.einsum("d,ed->e", z[p], w_o[:, p]))
+        attn_out = cap[f"blocks.{i}.attn.out"][0, pos].double()
+        heads_sum = parts[-attn.n_heads:].sum(0) if attn.n_heads else 0.0
+        add(f"attn_bias.{i}", attn_out - heads_sum)
+        through(block.ln_1, cap[f"blocks.{i}.resid_pre"][0, pos] + attn_out)
+        mid = cap[f"blocks.{i}.resid_mid"][0, pos]
+        mlp_out = block.mlp(mid[None])[0]
+        add(f"mlp.{i}", mlp_out)
+        through(block.ln_2, mid + mlp_out)
+    head = model.mlm
+    h = cap[f"blocks.{model.n_layers - 1}.resid_post"][0, pos].double()
+    pre = head.dense(h[None].to(head.dense.weight.dtype))[0].double()  # (E,)
+    parts = parts @ head.dense.weight.double().T
+    add("unembed_bias", head.dense.bias.double())
+    act = head.act(pre)
+    gate = torch.where(pre.abs() > 1e-12, act / torch.where(pre == 0, 1.0, pre), 0.5)
+    parts = parts * gate
+    through(head.ln, act)
+    direction = model.wte.weight.double()[t_id] - model.wte.weight.double()[f_id]
+    values = (parts @ direction).tolist()
+    heads = [[math.nan] * model.n_original_heads for _ in range(model.n_layers)]
+    rest: dict[str, float] = {}
+    for name, v in zip(names, values, strict=True):
+        if name.startswith("head."):
+            _, layer, h = name.split(".")
+            heads[int(layer)][int(h)] = v
+        else:
+            rest[name] = rest.get(name, 0.0) + v
+    bias = head.bias.double()
+    rest["unembed_bias"] += float(bias[t_id] - bias[f_id])
+    scale = float(1.0 / torch.sqrt(act.var(unbiased=False) + head.ln.eps))
+    return LogitAttribution(heads, rest, float(logits[t_id] - logits[f_id]), t_name, f_name,
+                            pos, scale, text)

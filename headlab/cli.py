@@ -341,7 +341,8 @@ def inspect(
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     target: Annotated[str | None, typer.Option(
         help="With --foil: each head's direct logit attribution to logit(target) - "
-             "logit(foil) at the last position (decoders), one token each.")] = None,
+             "logit(foil) at the last position (decoders) or the first [MASK] (masked "
+             "LMs), one token each.")] = None,
     foil: Annotated[str | None, typer.Option(help="The token the target is compared with.")]
     = None,
 ) -> None:
@@ -389,9 +390,9 @@ def _print_attribution(model: str, text: str, target: str, foil: str, top: int,
     found = logit_attribution(load(model, device=resolve_device(device)), text,
                               target=target, foil=foil)
     heads = found.total() - sum(found.rest.values())
-    typer.echo(f"logit({target!r}) - logit({foil!r}) = {found.logit_diff:.4f} at the last "
-               f"position: heads {heads:.4f}, the rest {sum(found.rest.values()):.4f} (final "
-               f"norm scale frozen at {found.norm_scale:.4g})")
+    typer.echo(f"logit({target!r}) - logit({foil!r}) = {found.logit_diff:.4f} at position "
+               f"{found.position}: heads {heads:.4f}, the rest {sum(found.rest.values()):.4f} "
+               f"(final norm scale frozen at {found.norm_scale:.4g})")
     for layer, head, v in found.top(top):
         typer.echo(f"  L{layer}H{head} {v:+.4f}")
 

@@ -78,3 +78,27 @@ def test_cli_inspect_prints_the_top_heads(tiny_gpt2_dir, tiny_gpt2):
     assert f"L{best[0]}H{best[1]} {best[2]:+.4f}" in result.output
     half = CliRunner().invoke(app, ["inspect", str(tiny_gpt2_dir), text, "--target", " the"])
     assert half.exit_code == 2 and "together" in half.output
+
+
+def test_masked_lm_parts_sum_to_the_logit_difference(tmp_path):
+    """A random post-norm BERT MLM: the frozen norms and activation gate keep it exact."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64,
+                                  max_position_embeddings=16, hidden_act="gelu")
+    hf = transformers.BertForMaskedLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path / "mlm")
+    model = headlab.load(tmp_path / "mlm")
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    got = logit_attribution(model, ids, target=5, foil=9, position=4)
+    with torch.no_grad():
+        ref = hf(ids).logits[0, 4].double()
+    torch.testing.assert_close(got.logit_diff, float(ref[5] - ref[9]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(got.total(), got.logit_diff, atol=1e-4, rtol=0)
+    assert abs(got.total() - sum(got.rest.values())) > 1e-3
+    assert {"embeddings", "mlp.1", "attn_bias.0", "norm_bias", "unembed_bias"} <= set(got.rest)
