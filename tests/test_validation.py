@@ -61,6 +61,7 @@ def test_validate_table(tiny_gpt2, tiny_blocks):
     assert back.table() == got.table()
 
 
+@pytest.mark.slow
 def test_cli_validate_prints_the_table(tiny_gpt2_dir, tmp_path):
     from typer.testing import CliRunner
 
