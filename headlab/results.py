@@ -116,6 +116,8 @@ class RunResult:
     sample: Sample | None = None
     statistics: list[dict[str, Any]] = field(default_factory=list)
     clusters: HeadClusters | None = None
+    # detector scores of the unpruned model by kind (headlab.detectors), layers x heads
+    head_types: dict[str, list[list[float]]] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     created: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
@@ -157,6 +159,8 @@ class RunResult:
             "config": self.config, "created": self.created, "versions": self.versions,
             "files": self.files, "status": self.status,
         }
+        if self.head_types:  # optional: a file without it reads back as it was
+            d["head_types"] = self.head_types
         return _json_safe(d)
 
     @classmethod
@@ -218,12 +222,22 @@ class RunResult:
             statistics=[r for r in d.get("statistics") or [] if isinstance(r, dict)]
             if isinstance(d.get("statistics"), list) else [],
             clusters=_clusters(d.get("clusters")),
+            head_types=_head_types(d.get("head_types")),
             config=_section(d, "config"), created=_str(d.get("created")),
             versions={str(k): str(v) for k, v in _section(d, "versions").items()},
             files={str(k): v for k, v in _section(d, "files").items() if isinstance(v, str)},
             status=_str(d.get("status")),
             schema_version=_int(d.get("schema_version")) or 1,
         )
+
+
+def _head_types(x: Any) -> dict[str, list[list[float]]]:
+    """Detector maps by kind; a malformed kind is dropped, null scores are NaN."""
+    if not isinstance(x, dict):
+        return {}
+    return {str(k): [[_float(v, math.nan) for v in row] for row in grid]
+            for k, grid in x.items()
+            if isinstance(grid, list) and all(isinstance(r, list) for r in grid)}
 
 
 def _json_safe(x: Any) -> Any:

@@ -23,6 +23,7 @@ from headlab.cache_report import KVCacheReport, measure_decode
 from headlab.checkpoint import Checkpoint
 from headlab.config import DTYPES, RunConfig, resolve_device
 from headlab.data import BUNDLED_SPEC, BUNDLED_WARNING, Blocks, load_texts, split_blocks
+from headlab.detectors import detect_all
 from headlab.errors import UserError
 from headlab.evaluate import evaluate
 from headlab.filecheck import read_config
@@ -405,12 +406,19 @@ class _Stage:
         return overview(self.model, self.heldout, sample_tokens=self.cfg.sample_tokens,
                         seed=self.cfg.seed)
 
+    def _head_types(self) -> dict[str, list[list[float]]]:
+        """The unpruned model's detector scores by kind, for the report's head types."""
+        log.info("detecting head types")
+        found = detect_all(self.model, n=8, seq_len=min(64, self.seq_len), seed=self.cfg.seed)
+        return {kind: s.scores for kind, s in found.items()}
+
     def _finish(self, result: RunResult, scores: HeadScores) -> None:
         from headlab.report import build_report
 
         if not distributed.is_main():
             return
         out = self.out
+        result.head_types = self._head_types()
         scores.save_csv(out / "importance.csv")
         result.files = {"results": "results.json", "importance_csv": "importance.csv",
                         "config": "config.json"}

@@ -101,7 +101,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "generate": GenerateSizes(new_tokens=32, repeats=3, copy_mib=256,
                                   long_context=LongContextSizes(contexts=(512, 2048),
                                                                 steps=8)),
-        "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048))),
+        "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048)),
+                                validate=(("minilm-l6", 64, 1024),)),
         "recovery": RecoverySizes(runs=(("smollm2-135m", 64, 1024, ()),
                                         ("minilm-l6", 128, 2048, (("normalize", False),)))),
     },
@@ -120,7 +121,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                                   copy_mib=4, long_context=LongContextSizes(
                                       contexts=(32, None), steps=3, sinks=2, window=8,
                                       scoring_tokens=64, scoring_seq=32)),
-        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4),
+        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4, validate=()),
         "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4),
     },
 }

@@ -1,12 +1,17 @@
 """``headlab bench quality``: held-out quality lost when pruning by michel (with and
 without the layer norm) and taylor scores, against random scores (3 seeds), on the real
-bundled models. Not a timing: random weights have no heads worth keeping."""
+bundled models; and the validation table (`headlab.validation`): each importance
+method's and detector's Spearman correlation with the true single-head ablation cost,
+with its bootstrap interval. Not a timing: random weights have no heads worth keeping."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from headlab.bench._common import BenchResult
+
+log = logging.getLogger(__name__)
 
 __all__ = ["QUALITY_TARGETED", "QUALITY_VARIANTS", "QualitySizes", "bench_quality"]
 
@@ -23,6 +28,10 @@ class QualitySizes:
     step: float = 0.2
     batch: int = 4
     methods: tuple[str, ...] = ("michel_unnormalised", "michel", "taylor")
+    # score validation: (bundled model, sequence length, token budget) per run
+    validate: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 64, 1024),
+                                                   ("minilm-l6", 64, 2048))
+    n_boot: int = 1000
 
 
 # the labels of QualitySizes.methods: (method, scoring options, as the bench's table says
@@ -81,4 +90,42 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> B
                 res.add_target(f"{name}.{method}_over_random", target=0.5, op="<=", what=what)
             else:
                 res.info.append((f"{name}.{method}_over_random", what))
+    for name, seq_len, max_tokens in sizes.validate:
+        _validation(res, name, seq_len, max_tokens, sizes, device)
     return res
+
+
+def _validation(res: BenchResult, name: str, seq_len: int, max_tokens: int,
+                sizes: QualitySizes, device: str) -> None:
+    """Every method's and detector's Spearman correlation with the true ablation cost;
+    random's 95% interval must contain 0 (its low end <= 0 <= its high end)."""
+    import headlab
+    from headlab.validation import validate
+
+    model = headlab.load(name, device=device)
+    blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
+                                 seq_len=seq_len, max_tokens=max_tokens)
+    scoring, heldout = headlab.split_blocks(blocks, seed=0)
+    found = validate(model, headlab.prepare(model, scoring, seed=0),
+                     headlab.prepare(model, heldout, seed=1), batch_size=sizes.batch,
+                     n_boot=sizes.n_boot, name=name)
+    res.method["validation"] = (
+        "headlab.validation.validate: true cost = held-out loss with one head gated off "
+        "minus with none, per example; Spearman of each method's scores (scoring split) "
+        "with its mean, 95% percentile bootstrap over held-out examples; AUC = area under "
+        "the one-shot pruning curve (fractions 0.1..0.5) / random's (3 seeds)")
+    res.checks[f"{name}.validation"] = found.to_json()
+    log.info("%s: Spearman with the true single-head ablation cost (S=%d, %d tokens)\n%s",
+             name, seq_len, max_tokens, found.table())
+    for row in found.rows:
+        res.add(f"{name}.spearman.{row.name}", [row.spearman], "rho")
+        res.info.append((f"{name}.spearman.{row.name}",
+                         f"{name} Spearman of {row.name} ({row.family}) with the true ablation "
+                         f"cost, 95% CI [{row.ci[0]:+.3f}, {row.ci[1]:+.3f}]"))
+    lo, hi = found.row("random").ci
+    res.add(f"{name}.random_spearman_ci_low", [lo], "rho")
+    res.add(f"{name}.random_spearman_ci_high", [hi], "rho")
+    res.add_target(f"{name}.random_spearman_ci_low", target=0.0, op="<=",
+                   what=f"{name} random scores' Spearman 95% interval, low end (contains 0)")
+    res.add_target(f"{name}.random_spearman_ci_high", target=0.0, op=">=",
+                   what=f"{name} random scores' Spearman 95% interval, high end (contains 0)")

@@ -259,6 +259,7 @@ class DecoderLM(HeadModel):
 
     causal = True
     lm_head: nn.Linear
+    final_norm: nn.Module  # between the last block and lm_head: a LayerNorm or an RMSNorm
 
     def __init__(self, config: FamilyConfig) -> None:
         super().__init__(config)

@@ -126,6 +126,11 @@ class GPT2(DecoderLM):
         self.lm_head.weight = self.wte.weight  # tied, as in HF GPT-2
 
     @property
+    def final_norm(self) -> nn.Module:
+        """The norm between the last block and the unembedding (logit attribution)."""
+        return self.ln_f
+
+    @property
     def max_positions(self) -> int:
         return self.config.n_positions
 

@@ -266,6 +266,11 @@ class Llama(DecoderLM):
             self.lm_head.weight = self.embed_tokens.weight
 
     @property
+    def final_norm(self) -> nn.Module:
+        """The norm between the last block and the unembedding (logit attribution)."""
+        return self.norm
+
+    @property
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 

@@ -86,6 +86,8 @@ def render(result: RunResult) -> str:
         random_curve="random" in _context.run_curves(result),
         cluster_method=result.clusters.method if result.clusters else None,
         stats=_context.statistics_table(result, mask),
+        head_types=_context.head_types_view(result, mask),
+        type_threshold=_context.HEAD_TYPE_THRESHOLD,
         files=_context.file_links(result),
         sample=sample,
         sample_note=sample_note,

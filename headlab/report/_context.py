@@ -333,3 +333,28 @@ def figures(result: RunResult, mask: list[list[bool]] | None) -> dict[str, Marku
                                        run_fraction=run_fraction),
         "clusters": scatter,
     }
+
+
+# a head counts as of a type from this detector score on (the scores are in [0, 1])
+HEAD_TYPE_THRESHOLD = 0.5
+
+
+def head_types_view(result: RunResult, mask: list[list[bool]] | None) -> list[dict]:
+    """Per detector kind: its layers x heads map, its top heads, and the pruned heads
+    that scored as that type (>= HEAD_TYPE_THRESHOLD)."""
+    views = []
+    for kind, grid in result.head_types.items():
+        flat = [(layer, head, v) for layer, row in enumerate(grid) for head, v in enumerate(row)
+                if _num(v) is not None]
+        top = sorted(flat, key=lambda x: -x[2])[:5]
+        pruned = [(layer, head, v) for layer, head, v in flat
+                  if mask is not None and layer < len(mask) and head < len(mask[layer])
+                  and mask[layer][head] and v >= HEAD_TYPE_THRESHOLD]
+        views.append({
+            "kind": kind,
+            "heatmap": _figures.importance_heatmap(grid, mask),
+            "top": ", ".join(f"L{layer}H{head} {v:.2f}" for layer, head, v in top),
+            "typed": sum(v >= HEAD_TYPE_THRESHOLD for _, _, v in flat),
+            "pruned": ", ".join(f"L{layer}H{head} {v:.2f}" for layer, head, v in pruned),
+        })
+    return views
