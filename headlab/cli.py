@@ -163,6 +163,21 @@ def _execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = N
         _print_summary(_summary(result, out), json_mode, quiet)
 
 
+def _protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len, eval_protocol,
+                   eval_seq_len) -> dict:
+    """The RunConfig keys of the calibration / evaluation options (headlab.protocol)."""
+    return dict(calib_data=calib_data, eval_data=eval_data, calib_samples=calib_samples,
+                calib_seq_len=calib_seq_len, eval_protocol=eval_protocol.value,
+                eval_seq_len=eval_seq_len)
+
+
+def _task_keys(tasks, include_path, limit, num_fewshot) -> dict:
+    """The RunConfig keys of the task options (headlab.tasks): --tasks a,b -> [a, b]."""
+    names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+    return dict(tasks=names, include_path=str(include_path) if include_path else None,
+                limit=limit, num_fewshot=num_fewshot)
+
+
 # ---------------------------------------------------------------- commands
 @app.command()
 def prune(
@@ -216,6 +231,16 @@ def prune(
     = opt.D["recover_lr"],
     recover_temperature: Annotated[float, typer.Option(help="distill: KL temperature.")]
     = opt.D["recover_temperature"],
+    calib_data: opt.CalibDataOpt = None,
+    eval_data: opt.EvalDataOpt = None,
+    calib_samples: opt.CalibSamplesOpt = None,
+    calib_seq_len: opt.CalibSeqLenOpt = None,
+    eval_protocol: opt.EvalProtocolOpt = opt.DEFAULT_PROTOCOL,
+    eval_seq_len: opt.EvalSeqLenOpt = None,
+    tasks: opt.TasksOpt = None,
+    include_path: opt.IncludePathOpt = None,
+    limit: opt.LimitOpt = None,
+    num_fewshot: opt.NumFewshotOpt = None,
     quiet: opt.QuietOpt = False,
     json_mode: opt.JsonOpt = False,
     resume: opt.ResumeOpt = None,
@@ -237,6 +262,9 @@ def prune(
         recover=recover.value, recover_ridge=recover_ridge, recover_tokens=recover_tokens,
         recover_params=recover_params.value, recover_lr=recover_lr,
         recover_temperature=recover_temperature,
+        **_protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len, eval_protocol,
+                         eval_seq_len),
+        **_task_keys(tasks, include_path, limit, num_fewshot),
     )
     _guard(_execute, config, quiet, json_mode, resume)
 
@@ -260,6 +288,16 @@ def score(
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
     out: opt.OutOpt = None,
     overwrite: opt.OverwriteOpt = False,
+    calib_data: opt.CalibDataOpt = None,
+    eval_data: opt.EvalDataOpt = None,
+    calib_samples: opt.CalibSamplesOpt = None,
+    calib_seq_len: opt.CalibSeqLenOpt = None,
+    eval_protocol: opt.EvalProtocolOpt = opt.DEFAULT_PROTOCOL,
+    eval_seq_len: opt.EvalSeqLenOpt = None,
+    tasks: opt.TasksOpt = None,
+    include_path: opt.IncludePathOpt = None,
+    limit: opt.LimitOpt = None,
+    num_fewshot: opt.NumFewshotOpt = None,
     quiet: opt.QuietOpt = False,
     json_mode: opt.JsonOpt = False,
     resume: opt.ResumeOpt = None,
@@ -274,7 +312,10 @@ def score(
                   seq_len=seq_len, batch_size=batch_size, seed=seed, normalize=normalize,
                   global_minmax=global_minmax, per_token=per_token, probes=probes,
                   device=device.value, dtype=dtype.value,
-                  out=str(out) if out else None, overwrite=overwrite)
+                  out=str(out) if out else None, overwrite=overwrite,
+                  **_protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len,
+                                   eval_protocol, eval_seq_len),
+                  **_task_keys(tasks, include_path, limit, num_fewshot))
     _guard(_execute, config, quiet, json_mode, resume)
 
 
@@ -290,6 +331,10 @@ def eval_(
     seed: opt.SeedOpt = opt.D["seed"],
     reference: Annotated[str | None, typer.Option(
         help="Unpruned model that embedding fidelity is measured against.")] = None,
+    calib_data: opt.CalibDataOpt = None,
+    eval_data: opt.EvalDataOpt = None,
+    eval_protocol: opt.EvalProtocolOpt = opt.DEFAULT_PROTOCOL,
+    eval_seq_len: opt.EvalSeqLenOpt = None,
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
     json_mode: opt.JsonOpt = False,
@@ -310,7 +355,8 @@ def eval_(
         cfg = RunConfig.from_dict(dict(
             model=model, command="eval", data=data, text_column=text_column,
             label_column=label_column, max_tokens=max_tokens, seq_len=seq_len,
-            batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value))
+            batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value,
+            **_protocol_keys(calib_data, eval_data, None, None, eval_protocol, eval_seq_len)))
         m = load_model(cfg)
         ref = m
         if objective_for(m).needs_reference:

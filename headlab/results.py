@@ -68,6 +68,14 @@ class DataSummary:
     heldout_examples: int | None = None
     seq_len: int | None = None
     warning: str | None = None
+    # the evaluation source when named apart (--eval-data), the protocol that measures
+    # (split | windows, headlab.protocol) and how the two sets are kept apart
+    eval_spec: str | None = None
+    eval_protocol: str | None = None
+    eval_seq_len: int | None = None
+    calib_samples: int | None = None
+    calib_seq_len: int | None = None
+    separation: str | None = None
 
 
 @dataclass
@@ -183,7 +191,13 @@ class RunResult:
                 heldout_tokens=_int(data.get("heldout_tokens")),
                 scoring_examples=_int(data.get("scoring_examples")),
                 heldout_examples=_int(data.get("heldout_examples")),
-                seq_len=_int(data.get("seq_len")), warning=_str(data.get("warning"))),
+                seq_len=_int(data.get("seq_len")), warning=_str(data.get("warning")),
+                eval_spec=_str(data.get("eval_spec")),
+                eval_protocol=_str(data.get("eval_protocol")),
+                eval_seq_len=_int(data.get("eval_seq_len")),
+                calib_samples=_int(data.get("calib_samples")),
+                calib_seq_len=_int(data.get("calib_seq_len")),
+                separation=_str(data.get("separation"))),
             heads_kept=_int(d.get("heads_kept")),
             kept_heads=_kept(d.get("kept_heads")),
             importance_normalisation=_str(d.get("importance_normalisation")),

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from headlab import __version__, distributed
+from headlab import __version__, distributed, protocol
 from headlab._io import atomic_write_json
 from headlab.checkpoint import Checkpoint
 from headlab.config import DTYPES, RunConfig, resolve_device
@@ -72,15 +72,57 @@ def build_data(cfg: RunConfig, model: HeadModel) -> tuple[Blocks, Blocks, int]:
         log.warning("--seq-len %d exceeds the model's %d positions; truncating to %d",
                     seq_len, limit, limit)
         seq_len = limit
-    texts = load_texts(cfg.data, text_column=cfg.text_column, label_column=cfg.label_column)
-    if texts.warning:
-        log.warning(texts.warning)
-    blocks = objective.make_blocks(texts, model.tokenizer, seq_len=seq_len,
-                                   max_tokens=cfg.max_tokens)
-    scoring, heldout = split_blocks(blocks, heldout=cfg.heldout, seed=cfg.seed)
+    if _papers_protocol(cfg):
+        scoring, heldout = _protocol_sets(cfg, model, seq_len)
+    else:
+        texts = load_texts(cfg.data, text_column=cfg.text_column, label_column=cfg.label_column)
+        if texts.warning:
+            log.warning(texts.warning)
+        blocks = objective.make_blocks(texts, model.tokenizer, seq_len=seq_len,
+                                       max_tokens=cfg.max_tokens)
+        scoring, heldout = split_blocks(blocks, heldout=cfg.heldout, seed=cfg.seed)
     scoring = objective.prepare(model, scoring, batch_size=cfg.batch_size, seed=cfg.seed)
     heldout = objective.prepare(model, heldout, batch_size=cfg.batch_size, seed=cfg.seed + 1)
     return scoring, heldout, seq_len
+
+
+def _papers_protocol(cfg: RunConfig) -> bool:
+    """True where the run names its calibration or evaluation data apart, or asks for
+    random calibration windows or the windows protocol (`headlab.protocol`)."""
+    return (cfg.calib_data is not None or cfg.eval_data is not None
+            or cfg.calib_samples is not None or cfg.eval_protocol != "split")
+
+
+def _protocol_sets(cfg: RunConfig, model: HeadModel, seq_len: int) -> tuple[Blocks, Blocks]:
+    """(calibration, evaluation) blocks from --calib-data / --eval-data (default --data);
+    one source for both is split by documents, so no text is in both."""
+    calib_spec, eval_spec = cfg.calib_data or cfg.data, cfg.eval_data or cfg.data
+    limit = model.max_positions
+    if cfg.calib_seq_len is not None and cfg.calib_seq_len > limit:
+        raise UserError(f"--calib-seq-len {cfg.calib_seq_len} is above the model's limit of "
+                        f"{limit} positions; give at most {limit}")
+    settings = protocol.Settings(
+        kind=model.kind, seq_len=seq_len, max_tokens=cfg.max_tokens, heldout=cfg.heldout,
+        seed=cfg.seed, calib_samples=cfg.calib_samples, calib_seq_len=cfg.calib_seq_len,
+        eval_protocol=cfg.eval_protocol,
+        eval_seq_len=protocol.eval_seq_len_for(cfg.eval_seq_len, limit))
+    settings.check_kind()
+    read = {"text_column": cfg.text_column, "label_column": cfg.label_column}
+    calibration = load_texts(calib_spec, **read)
+    evaluation = None if eval_spec == calib_spec else load_texts(eval_spec, **read)
+    for texts in (calibration, evaluation):
+        if texts is not None and texts.warning:
+            log.warning(texts.warning)
+    return protocol.build_sets(settings, model.tokenizer, calibration, evaluation)
+
+
+def data_separation(cfg: RunConfig) -> str:
+    """How the run keeps its scoring and held-out data apart, for results.json."""
+    if not _papers_protocol(cfg):
+        return (f"one source cut into blocks, the blocks split by seed {cfg.seed}: a fraction "
+                f"{cfg.heldout:g} held out; no block in both")
+    return protocol.describe(same_source=(cfg.calib_data or cfg.data) == (
+        cfg.eval_data or cfg.data), heldout=cfg.heldout, seed=cfg.seed)
 
 
 @torch.inference_mode()
@@ -208,7 +250,12 @@ class _Stage:
                 spec=scoring.spec, scoring_tokens=scoring.n_tokens,
                 heldout_tokens=heldout.n_tokens, scoring_examples=len(scoring),
                 heldout_examples=len(heldout), seq_len=self.seq_len,
-                warning=BUNDLED_WARNING if scoring.spec == BUNDLED_SPEC else None),
+                warning=BUNDLED_WARNING if scoring.spec == BUNDLED_SPEC else None,
+                eval_spec=heldout.spec, eval_protocol=cfg.eval_protocol,
+                eval_seq_len=heldout.input_ids.shape[1] if cfg.eval_protocol == "windows"
+                else None, calib_samples=cfg.calib_samples,
+                calib_seq_len=scoring.input_ids.shape[1] if cfg.calib_samples else None,
+                separation=data_separation(cfg)),
             importance_normalisation=scores.normalisation,
             config=cfg.to_dict(), created=_now(), versions=_versions(), **measured)
 
