@@ -94,3 +94,6 @@ IncludePathOpt = Annotated[Path | None, typer.Option(
     help="A folder of local lm-eval task YAMLs (runs offline on local jsonl).")]
 LimitOpt = Annotated[int | None, typer.Option(help="lm-eval: at most N examples per task.")]
 NumFewshotOpt = Annotated[int | None, typer.Option(help="lm-eval: few-shot examples.")]
+NeedleLengthsOpt = Annotated[str | None, typer.Option(
+    help="Needle test context lengths in tokens, e.g. 256,512,1024 (default 256 doubling "
+         "up to the model's limit).")]

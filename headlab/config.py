@@ -61,6 +61,7 @@ class RunConfig:
     include_path: str | None = None  # a folder of local lm-eval task YAMLs
     limit: int | None = None  # lm-eval: examples per task
     num_fewshot: int | None = None
+    needle_lengths: list[int] = field(default_factory=list)  # empty: 256 up to the limit
     normalize: bool | None = None  # None: the method's default (see importance.score)
     global_minmax: bool = False  # rescale all scores to [0, 1] (the ranking is unchanged)
     per_token: bool = False
@@ -186,6 +187,9 @@ class RunConfig:
                             "give --eval-protocol windows too")
         if self.limit is not None and self.limit < 1:
             raise UserError(f"--limit must be at least 1 example, got {self.limit}")
+        if not all(isinstance(n, int) and n >= 64 for n in self.needle_lengths):
+            raise UserError(f"--needle-lengths must be token counts >= 64, got "
+                            f"{self.needle_lengths}")
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise UserError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
 

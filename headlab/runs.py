@@ -275,6 +275,7 @@ class _Stage:
             kv_cache_bytes_per_token=BeforeAfter(shape.kv_bytes))
         if distributed.is_main():
             result.sample, result.statistics, result.clusters = self._overview()
+        self._tasks(result, model, None)
         self._finish(result, scores)
         return result
 
@@ -341,8 +342,42 @@ class _Stage:
             export=export_note)
         if result_overview is not None:
             result.sample, result.statistics, result.clusters = result_overview
+        self._tasks(result, model, pruned)
         self._finish(result, res.scores)
         return result
+
+    def _tasks(self, result: RunResult, before: HeadModel, after: HeadModel | None) -> None:
+        """lm-eval tasks and the needle test (``--tasks``) on the model as it came and
+        on the model you get, into ``result.tasks`` and ``result.needle``."""
+        from headlab.needle import needle_test
+        from headlab.tasks import lm_eval_version, run_tasks
+
+        cfg = self.cfg
+        names = [t for t in cfg.tasks if t != "needle"]
+        tasks, needle = {}, None
+        runs = [("before", before)] + ([("after", after)] if after is not None else [])
+        if names:
+            measured = {}
+            for side, m in runs:
+                log.info("lm-eval tasks %s on the model %s pruning", ", ".join(names),
+                         side)
+                measured[side] = run_tasks(m, names, include_path=cfg.include_path,
+                                           limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+                                           batch_size=cfg.batch_size, seed=cfg.seed)
+            tasks = {name: BeforeAfter(measured["before"].get(name),
+                                       measured.get("after", {}).get(name))
+                     for name in measured["before"]}
+        if "needle" in cfg.tasks:
+            grids = {}
+            for side, m in runs:
+                log.info("needle test on the model %s pruning", side)
+                grids[side] = needle_test(m, lengths=cfg.needle_lengths or None,
+                                          filler=cfg.eval_data, seed=cfg.seed,
+                                          batch_size=cfg.batch_size)
+            needle = BeforeAfter(grids["before"], grids.get("after"))
+        if names:
+            result.versions["lm_eval"] = lm_eval_version()
+        result.tasks, result.needle = tasks, needle
 
     def _schedule(self, method: str, n_keep: int, *, per_token: bool, on_step=None):
         cfg = self.cfg
