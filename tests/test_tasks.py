@@ -138,3 +138,37 @@ def test_a_task_that_needs_the_hub_says_so_offline(tiny_gpt2, tmp_path, monkeypa
     with pytest.raises(UserError, match="task hubtask needs its dataset someone/not-on-this-"
                                         "machine from the Hugging Face hub"):
         run_tasks(tiny_gpt2, ["hubtask"], include_path=folder)
+
+
+@pytest.mark.slow  # a prune run, then lm-eval and the needle test twice: ~1 min
+def test_prune_and_eval_report_tasks_and_needle_before_and_after(tiny_gpt2_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+    from headlab.results import RunResult
+
+    folder = write_mc_task(tmp_path / "tasks")
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, [
+        "prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--schedule", "one-shot",
+        "--recover", "none", "--max-tokens", "512", "--tasks", "headlab_mc,needle",
+        "--include-path", str(folder), "--needle-lengths", "64", "--out", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    saved = json.loads((out / "results.json").read_text())
+    mc = saved["tasks"]["headlab_mc"]
+    assert set(mc) == {"before", "after"}
+    for side in ("before", "after"):
+        assert 0 <= mc[side]["acc,none"] <= 1 and "acc_stderr,none" in mc[side]
+        assert saved["needle"][side]["lengths"] == [64]
+    assert saved["versions"]["lm_eval"] == "0.4.13"
+    assert RunResult.from_json(saved).to_json() == saved
+    html = (out / "report.html").read_text()
+    assert "Tasks and long-context retrieval" in html and 'class="figure needle"' in html
+    assert html.count("acc,none") == 1
+
+    res = CliRunner().invoke(app, [
+        "eval", "--model", str(out / "model"), "--tasks", "headlab_mc", "--include-path",
+        str(folder), "--max-tokens", "512", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["tasks"]["headlab_mc"] == mc["after"]
