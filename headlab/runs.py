@@ -172,6 +172,10 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     if cfg.command == "prune":
         n_keep = heads_to_keep(model.n_layers * model.n_original_heads, keep=cfg.keep,
                                prune=cfg.prune)
+    if any(t != "needle" for t in cfg.tasks):  # a bad task name fails now, not at the end
+        from headlab.tasks import check_tasks
+
+        check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path)
     scoring, heldout, seq_len = build_data(cfg, model)
     if main:
         out.mkdir(parents=True, exist_ok=True)

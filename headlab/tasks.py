@@ -15,6 +15,7 @@ Shape notation: B batch, S sequence length, C continuation tokens, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -30,7 +31,7 @@ from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
 if TYPE_CHECKING:
     from headlab.models.base import HeadModel
 
-__all__ = ["HeadlabLM", "lm_eval_version", "run_tasks", "task_names"]
+__all__ = ["HeadlabLM", "check_tasks", "lm_eval_version", "run_tasks", "task_names"]
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,13 @@ class HeadlabLM(TemplateLM):
 
 def _task_manager(names: list[str], include_path: str | Path | None):
     """lm-eval's task index: the local folder alone where it holds every name (quick
-    and offline), else lm-eval's own tasks too (indexing them takes a while)."""
+    and offline), else lm-eval's own tasks too (indexing them takes a while, so the
+    index is built once per process)."""
+    return _cached_manager(tuple(names), None if include_path is None else str(include_path))
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_manager(names: tuple[str, ...], include_path: str | None):
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
@@ -196,7 +203,7 @@ def _task_manager(names: list[str], include_path: str | Path | None):
         local = TaskManager(include_path=str(include_path), include_defaults=False)
         if all(n in local.all_tasks for n in names):
             return local
-    return TaskManager(include_path=str(include_path) if include_path else None)
+    return TaskManager(include_path=include_path)
 
 
 def task_names(include_path: str | Path | None = None) -> list[str]:
@@ -211,12 +218,7 @@ def run_tasks(model: HeadModel, names: list[str], *, include_path: str | Path | 
     reports them (e.g. ``{"hellaswag": {"acc,none": ..., "acc_stderr,none": ...}}``)."""
     import lm_eval
 
-    manager = _task_manager(names, include_path)
-    unknown = [n for n in names if n not in manager.all_tasks]
-    if unknown:
-        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; list the names with "
-                        "`headlab eval --model M --list-tasks` (add --include-path DIR for "
-                        "local tasks)")
+    manager = _checked_manager(names, include_path)
     adapter = HeadlabLM(model, batch_size=batch_size)
     try:
         out = lm_eval.simple_evaluate(
@@ -227,6 +229,26 @@ def run_tasks(model: HeadModel, names: list[str], *, include_path: str | Path | 
     except (ConnectionError, OSError) as exc:
         raise UserError(_hub_message(names, manager, exc)) from exc
     return {name: dict(metrics) for name, metrics in out["results"].items()}
+
+
+def check_tasks(names: list[str], include_path: str | Path | None = None) -> None:
+    """Raise a one-line UserError for an unknown task name, or a task whose data cannot
+    be read (offline, a hub dataset): before a run spends its time, not after."""
+    manager = _checked_manager(names, include_path)
+    try:
+        manager.load(list(names))
+    except (ConnectionError, OSError) as exc:
+        raise UserError(_hub_message(names, manager, exc)) from exc
+
+
+def _checked_manager(names: list[str], include_path: str | Path | None):
+    manager = _task_manager(names, include_path)
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; list the names with "
+                        "`headlab eval --model M --list-tasks` (add --include-path DIR for "
+                        "local tasks)")
+    return manager
 
 
 def _hub_message(names: list[str], manager, exc: Exception) -> str:

@@ -140,6 +140,29 @@ def test_a_task_that_needs_the_hub_says_so_offline(tiny_gpt2, tmp_path, monkeypa
         run_tasks(tiny_gpt2, ["hubtask"], include_path=folder)
 
 
+def test_a_run_with_a_task_it_cannot_read_fails_before_it_starts(tiny_gpt2_dir, tmp_path,
+                                                                 monkeypatch):
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    (folder / "hubtask2.yaml").write_text(
+        "task: hubtask2\ndataset_path: someone/else-not-here\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_target: 0\n"
+        "doc_to_choice: ['a', 'b']\nmetric_list:\n  - metric: acc\n")
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["score", "--model", str(tiny_gpt2_dir), "--method", "random",
+                                   "--tasks", "hubtask2", "--include-path", str(folder),
+                                   "--out", str(out), "--quiet"])
+    assert res.exit_code == 2
+    assert "error: task hubtask2 needs its dataset someone/else-not-here from the Hugging " \
+           "Face hub" in res.output
+    assert not out.exists()
+
+
 @pytest.mark.slow  # a prune run, then lm-eval and the needle test twice: ~1 min
 def test_prune_and_eval_report_tasks_and_needle_before_and_after(tiny_gpt2_dir, tmp_path):
     from typer.testing import CliRunner
