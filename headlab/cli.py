@@ -180,6 +180,29 @@ def _execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = N
         _print_summary(_summary(result, out), json_mode, quiet)
 
 
+def _protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len, eval_protocol,
+                   eval_seq_len) -> dict:
+    """The RunConfig keys of the calibration / evaluation options (headlab.protocol)."""
+    return dict(calib_data=calib_data, eval_data=eval_data, calib_samples=calib_samples,
+                calib_seq_len=calib_seq_len, eval_protocol=eval_protocol.value,
+                eval_seq_len=eval_seq_len)
+
+
+def _task_keys(tasks, include_path, limit, num_fewshot, needle_lengths) -> dict:
+    """The RunConfig keys of the task options (headlab.tasks, headlab.needle):
+    --tasks a,b -> [a, b]; --needle-lengths 256,512 -> [256, 512]."""
+    from headlab.errors import UserError
+
+    names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+    try:
+        lengths = [int(n) for n in (needle_lengths or "").split(",") if n.strip()]
+    except ValueError:
+        raise UserError(f"--needle-lengths takes token counts like 256,512, got "
+                        f"{needle_lengths!r}") from None
+    return dict(tasks=names, include_path=str(include_path) if include_path else None,
+                limit=limit, num_fewshot=num_fewshot, needle_lengths=lengths)
+
+
 # ---------------------------------------------------------------- commands
 @app.command()
 def prune(
@@ -239,6 +262,17 @@ def prune(
     demote: opt.DemoteOpt = False,
     sinks: opt.SinksOpt = opt.D["sinks"],
     window: opt.WindowOpt = opt.D["window"],
+    calib_data: opt.CalibDataOpt = None,
+    eval_data: opt.EvalDataOpt = None,
+    calib_samples: opt.CalibSamplesOpt = None,
+    calib_seq_len: opt.CalibSeqLenOpt = None,
+    eval_protocol: opt.EvalProtocolOpt = opt.DEFAULT_PROTOCOL,
+    eval_seq_len: opt.EvalSeqLenOpt = None,
+    tasks: opt.TasksOpt = None,
+    include_path: opt.IncludePathOpt = None,
+    limit: opt.LimitOpt = None,
+    num_fewshot: opt.NumFewshotOpt = None,
+    needle_lengths: opt.NeedleLengthsOpt = None,
     quiet: opt.QuietOpt = False,
     json_mode: opt.JsonOpt = False,
     resume: opt.ResumeOpt = None,
@@ -262,6 +296,9 @@ def prune(
         recover_temperature=recover_temperature,
         unit=unit.value, group_score=group_score.value, kv_keep=kv_keep, demote=demote,
         sinks=sinks, window=window,
+        **_protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len, eval_protocol,
+                         eval_seq_len),
+        **_task_keys(tasks, include_path, limit, num_fewshot, needle_lengths),
     )
     _guard(_execute, config, quiet, json_mode, resume)
 
@@ -285,6 +322,17 @@ def score(
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
     out: opt.OutOpt = None,
     overwrite: opt.OverwriteOpt = False,
+    calib_data: opt.CalibDataOpt = None,
+    eval_data: opt.EvalDataOpt = None,
+    calib_samples: opt.CalibSamplesOpt = None,
+    calib_seq_len: opt.CalibSeqLenOpt = None,
+    eval_protocol: opt.EvalProtocolOpt = opt.DEFAULT_PROTOCOL,
+    eval_seq_len: opt.EvalSeqLenOpt = None,
+    tasks: opt.TasksOpt = None,
+    include_path: opt.IncludePathOpt = None,
+    limit: opt.LimitOpt = None,
+    num_fewshot: opt.NumFewshotOpt = None,
+    needle_lengths: opt.NeedleLengthsOpt = None,
     quiet: opt.QuietOpt = False,
     json_mode: opt.JsonOpt = False,
     resume: opt.ResumeOpt = None,
@@ -299,7 +347,10 @@ def score(
                   seq_len=seq_len, batch_size=batch_size, seed=seed, normalize=normalize,
                   global_minmax=global_minmax, per_token=per_token, probes=probes,
                   device=device.value, dtype=dtype.value,
-                  out=str(out) if out else None, overwrite=overwrite)
+                  out=str(out) if out else None, overwrite=overwrite,
+                  **_protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len,
+                                   eval_protocol, eval_seq_len),
+                  **_task_keys(tasks, include_path, limit, num_fewshot, needle_lengths))
     _guard(_execute, config, quiet, json_mode, resume)
 
 
@@ -315,16 +366,39 @@ def eval_(
     seed: opt.SeedOpt = opt.D["seed"],
     reference: Annotated[str | None, typer.Option(
         help="Unpruned model that embedding fidelity is measured against.")] = None,
+    calib_data: opt.CalibDataOpt = None,
+    eval_data: opt.EvalDataOpt = None,
+    eval_protocol: opt.EvalProtocolOpt = opt.DEFAULT_PROTOCOL,
+    eval_seq_len: opt.EvalSeqLenOpt = None,
+    tasks: opt.TasksOpt = None,
+    include_path: opt.IncludePathOpt = None,
+    limit: opt.LimitOpt = None,
+    num_fewshot: opt.NumFewshotOpt = None,
+    needle: Annotated[bool, typer.Option(
+        help="Needle in a haystack: retrieval of a planted fact per length and depth.")]
+    = False,
+    needle_lengths: opt.NeedleLengthsOpt = None,
+    list_tasks: Annotated[bool, typer.Option(
+        help="List the lm-eval task names (with --include-path's) and exit.")] = False,
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
     json_mode: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> None:
-    """Measure a model's (or pruned run directory's) quality on the held-out split.
+    """Measure a model's (or pruned run directory's) quality on the held-out split,
+    and optionally lm-eval tasks (--tasks) and the needle test (--needle).
 
     Example: headlab eval --model reports/RUN/model
     """
     _setup(quiet, json_mode)
+    task_keys = _guard(_task_keys, tasks, include_path, limit, num_fewshot, needle_lengths)
+    if needle:
+        task_keys["tasks"] = [*task_keys["tasks"], "needle"]
+    if list_tasks:
+        from headlab.tasks import task_names
+
+        typer.echo("\n".join(_guard(task_names, include_path)))
+        return
 
     def body():
         from headlab.errors import UserError
@@ -336,7 +410,9 @@ def eval_(
         cfg = RunConfig.from_dict(dict(
             model=model, command="eval", data=data, text_column=text_column,
             label_column=label_column, max_tokens=max_tokens, seq_len=seq_len,
-            batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value))
+            batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value,
+            **_protocol_keys(calib_data, eval_data, None, None, eval_protocol, eval_seq_len),
+            **task_keys))
         check_data(cfg)  # before the model loads
         m = load_model(cfg)
         ref = m
@@ -348,14 +424,47 @@ def eval_(
         _, heldout, _ = build_data(cfg, ref)
         q = evaluate(m, heldout, batch_size=batch_size)
         summary = {"model": model, **q.to_json(), "heads": m.heads_per_layer,
-                   "params": m.num_parameters()}
+                   "params": m.num_parameters(), **_eval_tasks(cfg, m)}
         if json_mode:
             typer.echo(json.dumps(summary, indent=2))
         else:
             typer.echo(f"{q.metric}: {q.value:.6g} (loss {q.loss:.6g}, {q.n_tokens} held-out "
                        f"tokens, {sum(m.heads_per_layer)} heads, {m.num_parameters():,} params)")
+            for name, metrics in summary.get("tasks", {}).items():
+                shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
+                                  if isinstance(v, float))
+                typer.echo(f"{name}: {shown}")
+            if "needle" in summary:
+                grid = summary["needle"]
+                typer.echo(f"needle: mean exact match {_mean(grid['accuracy']):.3g} over "
+                           f"lengths {grid['lengths']} x depths {grid['depths']}")
 
     _guard(body)
+
+
+def _eval_tasks(cfg: RunConfig, model) -> dict:
+    """lm-eval metrics ("tasks", with "lm_eval", the version) and the needle grid
+    ("needle") for `eval`'s summary, where --tasks / --needle ask for them."""
+    out: dict[str, Any] = {}
+    names = [t for t in cfg.tasks if t != "needle"]
+    if names:
+        from headlab.tasks import lm_eval_version, run_tasks
+
+        out["tasks"] = run_tasks(model, names, include_path=cfg.include_path, limit=cfg.limit,
+                                 num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size,
+                                 seed=cfg.seed)
+        out["lm_eval"] = lm_eval_version()
+    if "needle" in cfg.tasks:
+        from headlab.needle import needle_test
+
+        out["needle"] = needle_test(model, lengths=cfg.needle_lengths or None,
+                                    filler=cfg.eval_data, seed=cfg.seed,
+                                    batch_size=cfg.batch_size).to_json()
+    return out
+
+
+def _mean(grid: list[list[float]]) -> float:
+    return sum(map(sum, grid)) / max(1, sum(map(len, grid)))
 
 
 @app.command()

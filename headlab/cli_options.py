@@ -16,6 +16,7 @@ from headlab.config import (
     DEVICES,
     DTYPES,
     METHODS,
+    PROTOCOLS,
     RECOVER_PARAMS,
     RECOVERY_METHODS,
     SCHEDULES,
@@ -88,3 +89,30 @@ DemoteOpt = Annotated[bool, typer.Option(
          "those in their key/value cache.")]
 SinksOpt = Annotated[int, typer.Option(help="--demote: attention-sink positions kept.")]
 WindowOpt = Annotated[int, typer.Option(help="--demote: recent positions kept (>= 1).")]
+# calibration / evaluation the papers' way (headlab.protocol), lm-eval tasks (headlab.tasks)
+Protocol = StrEnum("Protocol", [(m, m) for m in PROTOCOLS])
+DEFAULT_PROTOCOL = Protocol(D["eval_protocol"])
+CalibDataOpt = Annotated[str | None, typer.Option(
+    help="What scores and what recovery fits on (anything --data takes); default --data.")]
+EvalDataOpt = Annotated[str | None, typer.Option(
+    help="Held-out quality data (anything --data takes); default --data. One source for "
+         "both is split by documents, none in both.")]
+CalibSamplesOpt = Annotated[int | None, typer.Option(
+    help="Calibrate on N seeded random windows (the papers use 128 of 2048 tokens).")]
+CalibSeqLenOpt = Annotated[int | None, typer.Option(
+    help="Tokens per --calib-samples window (default --seq-len).")]
+EvalProtocolOpt = Annotated[Protocol, typer.Option(
+    help="split: blocks of --seq-len; windows: the text joined with blank lines, "
+         "non-overlapping windows of --eval-seq-len, exp of the mean token loss.")]
+EvalSeqLenOpt = Annotated[int | None, typer.Option(
+    help="Window of --eval-protocol windows (default 2048, or the model's limit).")]
+TasksOpt = Annotated[str | None, typer.Option(
+    help="Comma-separated lm-evaluation-harness tasks, and 'needle'; `headlab eval "
+         "--list-tasks` lists the names.")]
+IncludePathOpt = Annotated[Path | None, typer.Option(
+    help="A folder of local lm-eval task YAMLs (runs offline on local jsonl).")]
+LimitOpt = Annotated[int | None, typer.Option(help="lm-eval: at most N examples per task.")]
+NumFewshotOpt = Annotated[int | None, typer.Option(help="lm-eval: few-shot examples.")]
+NeedleLengthsOpt = Annotated[str | None, typer.Option(
+    help="Needle test context lengths in tokens, e.g. 256,512,1024 (default 256 doubling "
+         "up to the model's limit).")]

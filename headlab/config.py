@@ -18,6 +18,7 @@ import torch
 from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS
 from headlab.objectives import DEFAULT_BATCH_SIZE
+from headlab.protocol import PROTOCOLS
 from headlab.recovery import RECOVERY_METHODS
 from headlab.recovery.distill import PARAMS as RECOVER_PARAMS
 from headlab.schedule import UNITS
@@ -51,6 +52,18 @@ class RunConfig:
     batch_size: int = DEFAULT_BATCH_SIZE
     heldout: float = 0.5
     seed: int = 0
+    # calibration / evaluation the papers' way (headlab.protocol); None: --data for both
+    calib_data: str | None = None
+    eval_data: str | None = None
+    calib_samples: int | None = None  # random windows of calib_seq_len (default seq_len)
+    calib_seq_len: int | None = None
+    eval_protocol: str = "split"
+    eval_seq_len: int | None = None  # windows protocol: None is 2048 or the model's limit
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names, and "needle"
+    include_path: str | None = None  # a folder of local lm-eval task YAMLs
+    limit: int | None = None  # lm-eval: examples per task
+    num_fewshot: int | None = None
+    needle_lengths: list[int] = field(default_factory=list)  # empty: 256 up to the limit
     normalize: bool | None = None  # None: the method's default (see importance.score)
     global_minmax: bool = False  # rescale all scores to [0, 1] (the ranking is unchanged)
     per_token: bool = False
@@ -165,6 +178,7 @@ class RunConfig:
                             f"{self.recover_lr} and {self.recover_temperature}")
         if not 0 < self.heldout < 1:
             raise UserError(f"heldout must be in (0, 1), got {self.heldout}")
+        self._validate_protocol()
         return self
 
     def _check_kv_cache(self) -> None:
@@ -203,6 +217,31 @@ class RunConfig:
             raise UserError("--demote keeps heads with a sink + window cache, which plain "
                             "transformers cannot express: drop --export hf (the model is "
                             "saved in headlab format), or prune without --demote")
+
+    def _validate_protocol(self) -> None:
+        """The calibration / evaluation keys (headlab.protocol) and the task keys."""
+        if self.eval_protocol not in PROTOCOLS:
+            raise UserError(f"--eval-protocol must be one of {', '.join(PROTOCOLS)}, got "
+                            f"{self.eval_protocol!r}")
+        if self.calib_samples is not None and self.calib_samples < 1:
+            raise UserError(f"--calib-samples must be at least 1, got {self.calib_samples}")
+        for key in ("calib_seq_len", "eval_seq_len"):
+            value = getattr(self, key)
+            if value is not None and value < 4:
+                raise UserError(f"--{key.replace('_', '-')} must be >= 4, got {value}")
+        if self.calib_seq_len is not None and self.calib_samples is None:
+            raise UserError("--calib-seq-len is the length of --calib-samples windows: "
+                            "give --calib-samples N too")
+        if self.eval_seq_len is not None and self.eval_protocol != "windows":
+            raise UserError("--eval-seq-len is the window of --eval-protocol windows: "
+                            "give --eval-protocol windows too")
+        if self.limit is not None and self.limit < 1:
+            raise UserError(f"--limit must be at least 1 example, got {self.limit}")
+        if not all(isinstance(n, int) and n >= 64 for n in self.needle_lengths):
+            raise UserError(f"--needle-lengths must be token counts >= 64, got "
+                            f"{self.needle_lengths}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise UserError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
 
 
 def _check_type(name: str, declared: str, value: Any) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 from headlab.analysis import HeadClusters
 from headlab.cache_report import KVCacheReport
 from headlab.errors import UserError
+from headlab.needle import NeedleResult
 from headlab.recovery import RecoveryReport
 from headlab.schedule import CurvePoint
 
@@ -69,6 +70,14 @@ class DataSummary:
     heldout_examples: int | None = None
     seq_len: int | None = None
     warning: str | None = None
+    # the evaluation source when named apart (--eval-data), the protocol that measures
+    # (split | windows, headlab.protocol) and how the two sets are kept apart
+    eval_spec: str | None = None
+    eval_protocol: str | None = None
+    eval_seq_len: int | None = None
+    calib_samples: int | None = None
+    calib_seq_len: int | None = None
+    separation: str | None = None
 
 
 @dataclass
@@ -124,6 +133,10 @@ class RunResult:
     files: dict[str, str] = field(default_factory=dict)
     status: str | None = None
     schema_version: int = SCHEMA_VERSION
+    # lm-eval tasks: name -> metrics exactly as lm-eval's results reports them, before
+    # and after; the needle test's accuracy grid before and after (headlab.needle)
+    tasks: dict[str, BeforeAfter[dict[str, Any]]] = field(default_factory=dict)
+    needle: BeforeAfter[NeedleResult] | None = None
 
     @property
     def score_only(self) -> bool:
@@ -158,6 +171,10 @@ class RunResult:
             "clusters": None if self.clusters is None else self.clusters.to_json(),
             "config": self.config, "created": self.created, "versions": self.versions,
             "files": self.files, "status": self.status,
+            "tasks": {name: asdict(ba) for name, ba in self.tasks.items()},
+            "needle": None if self.needle is None else {
+                side: None if r is None else r.to_json()
+                for side, r in (("before", self.needle.before), ("after", self.needle.after))},
         }
         if self.head_types:  # optional: a file without it reads back as it was
             d["head_types"] = self.head_types
@@ -190,7 +207,13 @@ class RunResult:
                 heldout_tokens=_int(data.get("heldout_tokens")),
                 scoring_examples=_int(data.get("scoring_examples")),
                 heldout_examples=_int(data.get("heldout_examples")),
-                seq_len=_int(data.get("seq_len")), warning=_str(data.get("warning"))),
+                seq_len=_int(data.get("seq_len")), warning=_str(data.get("warning")),
+                eval_spec=_str(data.get("eval_spec")),
+                eval_protocol=_str(data.get("eval_protocol")),
+                eval_seq_len=_int(data.get("eval_seq_len")),
+                calib_samples=_int(data.get("calib_samples")),
+                calib_seq_len=_int(data.get("calib_seq_len")),
+                separation=_str(data.get("separation"))),
             heads_kept=_int(d.get("heads_kept")),
             kept_heads=_kept(d.get("kept_heads")),
             importance_normalisation=_str(d.get("importance_normalisation")),
@@ -228,6 +251,8 @@ class RunResult:
             files={str(k): v for k, v in _section(d, "files").items() if isinstance(v, str)},
             status=_str(d.get("status")),
             schema_version=_int(d.get("schema_version")) or 1,
+            tasks=_tasks(d.get("tasks")),
+            needle=_needle(d.get("needle")),
         )
 
 
@@ -330,3 +355,30 @@ def _clusters(x: Any) -> HeadClusters | None:
         return HeadClusters.from_json(x)
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _tasks(x: Any) -> dict[str, BeforeAfter[dict[str, Any]]]:
+    """tasks: {name: {"before": metrics, "after": metrics}}; malformed entries dropped."""
+    if not isinstance(x, dict):
+        return {}
+    out = {}
+    for name, ba in x.items():
+        if isinstance(ba, dict):
+            sides = [ba.get(k) if isinstance(ba.get(k), dict) else None
+                     for k in ("before", "after")]
+            out[str(name)] = BeforeAfter(*sides)
+    return out
+
+
+def _needle(x: Any) -> BeforeAfter[NeedleResult] | None:
+    if not isinstance(x, dict):
+        return None
+
+    def side(v: Any) -> NeedleResult | None:
+        try:
+            return NeedleResult.from_json(v) if isinstance(v, dict) else None
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    result = BeforeAfter(side(x.get("before")), side(x.get("after")))
+    return None if result.before is None and result.after is None else result

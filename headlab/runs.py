@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from headlab import __version__, distributed
+from headlab import __version__, distributed, protocol
 from headlab._io import atomic_dir, atomic_write_json
 from headlab.cache_report import KVCacheReport, measure_decode
 from headlab.checkpoint import Checkpoint
@@ -76,15 +76,57 @@ def build_data(cfg: RunConfig, model: HeadModel) -> tuple[Blocks, Blocks, int]:
         log.warning("--seq-len %d exceeds the model's %d positions; truncating to %d",
                     seq_len, limit, limit)
         seq_len = limit
-    texts = load_texts(cfg.data, text_column=cfg.text_column, label_column=cfg.label_column)
-    if texts.warning:
-        log.warning(texts.warning)
-    blocks = objective.make_blocks(texts, model.tokenizer, seq_len=seq_len,
-                                   max_tokens=cfg.max_tokens)
-    scoring, heldout = split_blocks(blocks, heldout=cfg.heldout, seed=cfg.seed)
+    if _papers_protocol(cfg):
+        scoring, heldout = _protocol_sets(cfg, model, seq_len)
+    else:
+        texts = load_texts(cfg.data, text_column=cfg.text_column, label_column=cfg.label_column)
+        if texts.warning:
+            log.warning(texts.warning)
+        blocks = objective.make_blocks(texts, model.tokenizer, seq_len=seq_len,
+                                       max_tokens=cfg.max_tokens)
+        scoring, heldout = split_blocks(blocks, heldout=cfg.heldout, seed=cfg.seed)
     scoring = objective.prepare(model, scoring, batch_size=cfg.batch_size, seed=cfg.seed)
     heldout = objective.prepare(model, heldout, batch_size=cfg.batch_size, seed=cfg.seed + 1)
     return scoring, heldout, seq_len
+
+
+def _papers_protocol(cfg: RunConfig) -> bool:
+    """True where the run names its calibration or evaluation data apart, or asks for
+    random calibration windows or the windows protocol (`headlab.protocol`)."""
+    return (cfg.calib_data is not None or cfg.eval_data is not None
+            or cfg.calib_samples is not None or cfg.eval_protocol != "split")
+
+
+def _protocol_sets(cfg: RunConfig, model: HeadModel, seq_len: int) -> tuple[Blocks, Blocks]:
+    """(calibration, evaluation) blocks from --calib-data / --eval-data (default --data);
+    one source for both is split by documents, so no text is in both."""
+    calib_spec, eval_spec = cfg.calib_data or cfg.data, cfg.eval_data or cfg.data
+    limit = model.max_positions
+    if cfg.calib_seq_len is not None and cfg.calib_seq_len > limit:
+        raise UserError(f"--calib-seq-len {cfg.calib_seq_len} is above the model's limit of "
+                        f"{limit} positions; give at most {limit}")
+    settings = protocol.Settings(
+        kind=model.kind, seq_len=seq_len, max_tokens=cfg.max_tokens, heldout=cfg.heldout,
+        seed=cfg.seed, calib_samples=cfg.calib_samples, calib_seq_len=cfg.calib_seq_len,
+        eval_protocol=cfg.eval_protocol,
+        eval_seq_len=protocol.eval_seq_len_for(cfg.eval_seq_len, limit))
+    settings.check_kind()
+    read = {"text_column": cfg.text_column, "label_column": cfg.label_column}
+    calibration = load_texts(calib_spec, **read)
+    evaluation = None if eval_spec == calib_spec else load_texts(eval_spec, **read)
+    for texts in (calibration, evaluation):
+        if texts is not None and texts.warning:
+            log.warning(texts.warning)
+    return protocol.build_sets(settings, model.tokenizer, calibration, evaluation)
+
+
+def data_separation(cfg: RunConfig) -> str:
+    """How the run keeps its scoring and held-out data apart, for results.json."""
+    if not _papers_protocol(cfg):
+        return (f"one source cut into blocks, the blocks split by seed {cfg.seed}: a fraction "
+                f"{cfg.heldout:g} held out; no block in both")
+    return protocol.describe(same_source=(cfg.calib_data or cfg.data) == (
+        cfg.eval_data or cfg.data), heldout=cfg.heldout, seed=cfg.seed)
 
 
 @torch.inference_mode()
@@ -135,6 +177,10 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     n_keep = None
     if cfg.command == "prune":
         n_keep = _target(cfg, model)
+    if any(t != "needle" for t in cfg.tasks):  # a bad task name fails now, not at the end
+        from headlab.tasks import check_tasks
+
+        check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path)
     scoring, heldout, seq_len = build_data(cfg, model)
     lock = None
     if main:
@@ -252,7 +298,12 @@ class _Stage:
                 spec=scoring.spec, scoring_tokens=scoring.n_tokens,
                 heldout_tokens=heldout.n_tokens, scoring_examples=len(scoring),
                 heldout_examples=len(heldout), seq_len=self.seq_len,
-                warning=BUNDLED_WARNING if scoring.spec == BUNDLED_SPEC else None),
+                warning=BUNDLED_WARNING if scoring.spec == BUNDLED_SPEC else None,
+                eval_spec=heldout.spec, eval_protocol=cfg.eval_protocol,
+                eval_seq_len=heldout.input_ids.shape[1] if cfg.eval_protocol == "windows"
+                else None, calib_samples=cfg.calib_samples,
+                calib_seq_len=scoring.input_ids.shape[1] if cfg.calib_samples else None,
+                separation=data_separation(cfg)),
             importance_normalisation=scores.normalisation,
             config=cfg.to_dict(), created=_now(), versions=_versions(), **measured)
 
@@ -272,6 +323,7 @@ class _Stage:
             kv_cache_bytes_per_token=BeforeAfter(shape.kv_bytes))
         if distributed.is_main():
             result.sample, result.statistics, result.clusters = self._overview()
+        self._tasks(result, model, None)
         self._finish(result, scores)
         return result
 
@@ -348,6 +400,7 @@ class _Stage:
             result.kv_cache = self._kv_cache(pruned, res)
         if result_overview is not None:
             result.sample, result.statistics, result.clusters = result_overview
+        self._tasks(result, model, pruned)
         self._finish(result, res.scores)
         return result
 
@@ -375,6 +428,39 @@ class _Stage:
             report.decode = measure_decode(model, pruned, contexts=contexts,
                                            steps=cfg.decode_steps)
         return report
+
+    def _tasks(self, result: RunResult, before: HeadModel, after: HeadModel | None) -> None:
+        """lm-eval tasks and the needle test (``--tasks``) on the model as it came and
+        on the model you get, into ``result.tasks`` and ``result.needle``."""
+        from headlab.needle import needle_test
+        from headlab.tasks import lm_eval_version, run_tasks
+
+        cfg = self.cfg
+        names = [t for t in cfg.tasks if t != "needle"]
+        tasks, needle = {}, None
+        runs = [("before", before)] + ([("after", after)] if after is not None else [])
+        if names:
+            measured = {}
+            for side, m in runs:
+                log.info("lm-eval tasks %s on the model %s pruning", ", ".join(names),
+                         side)
+                measured[side] = run_tasks(m, names, include_path=cfg.include_path,
+                                           limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+                                           batch_size=cfg.batch_size, seed=cfg.seed)
+            tasks = {name: BeforeAfter(measured["before"].get(name),
+                                       measured.get("after", {}).get(name))
+                     for name in measured["before"]}
+        if "needle" in cfg.tasks:
+            grids = {}
+            for side, m in runs:
+                log.info("needle test on the model %s pruning", side)
+                grids[side] = needle_test(m, lengths=cfg.needle_lengths or None,
+                                          filler=cfg.eval_data, seed=cfg.seed,
+                                          batch_size=cfg.batch_size)
+            needle = BeforeAfter(grids["before"], grids.get("after"))
+        if names:
+            result.versions["lm_eval"] = lm_eval_version()
+        result.tasks, result.needle = tasks, needle
 
     def _schedule(self, method: str, n_keep: int, *, per_token: bool, on_step=None):
         cfg = self.cfg

@@ -22,7 +22,7 @@ from headlab._io import atomic_write_text
 from headlab.errors import UserError
 from headlab.results import RunResult
 
-from . import _context
+from . import _benchmarks, _context
 from ._encoding import decode_attention, encode_attention, script_json
 
 __all__ = ["build_report", "decode_attention", "encode_attention", "render", "write_report"]
@@ -80,6 +80,7 @@ def render(result: RunResult) -> str:
         score_only=mask is None,
         summary=_context.summary_rows(result),
         recovery=_context.recovery_view(result),
+        benchmarks=_benchmarks.benchmarks_view(result),
         per_layer=_context.per_layer_rows(result),
         config=_context.config_rows(result.config),
         figures=_context.figures(result, mask),
