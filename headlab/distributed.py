@@ -1,7 +1,8 @@
 """Data parallelism on torch.distributed, as started by ``torchrun``.
 
 Each rank takes a disjoint shard of the blocks (rank r takes batches r, r + W, ..., so no
-block is dropped or counted twice when the count does not divide by W), sums
+block is dropped or counted twice when the count does not divide by W; with fewer
+batches than ranks the examples are shared out, see `shard_rows`), sums
 its accumulators locally in float64, and the sums are all-reduced. Rank 0 alone writes
 files and prints. Backend: gloo on CPU, nccl on CUDA, chosen automatically.
 
@@ -49,11 +50,16 @@ def is_main() -> bool:
 def shard_rows(n: int, batch_size: int = 1) -> list[int]:
     """This rank's row indices of n rows (all of them outside torchrun).
 
-    Whole batches are dealt out (batch b goes to rank b mod W), so each example is
-    computed in the same batch as in a single-process run and the results agree to
-    the last bit before the float64 sums; a last, short batch is never dropped.
+    With at least as many batches as ranks, whole batches are dealt out (batch b goes
+    to rank b mod W), so each example is computed in the same batch as in a
+    single-process run and the results agree to the last bit before the float64 sums;
+    a last, short batch is never dropped. With fewer batches than ranks the examples
+    themselves are shared: rank r takes rows [r n / W, (r + 1) n / W), batched as
+    usual, and a rank left with none contributes zeros to the sums.
     """
     n_batches = -(-n // batch_size)
+    if n_batches < world_size():
+        return list(range(rank() * n // world_size(), (rank() + 1) * n // world_size()))
     return [row for b in range(rank(), n_batches, world_size())
             for row in range(b * batch_size, min(n, (b + 1) * batch_size))]
 

@@ -151,10 +151,6 @@ def score(
     if len(blocks) == 0:
         raise ValueError(f"{blocks.spec}: no blocks to score on")
     n_examples = len(blocks)
-    if -(-n_examples // batch_size) < distributed.world_size():
-        raise ValueError(f"{n_examples} blocks in batches of {batch_size} cannot be shared by "
-                         f"{distributed.world_size()} ranks; give more data, smaller batches "
-                         "or fewer processes")
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     if per_token and method not in PER_TOKEN_METHODS:
         raise ValueError(f"per-token gates apply to {' and '.join(PER_TOKEN_METHODS)}, "
