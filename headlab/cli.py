@@ -189,6 +189,7 @@ def prune(
     seed: opt.SeedOpt = opt.D["seed"],
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    shard: opt.ShardOpt = None,
     out: opt.OutOpt = None,
     overwrite: opt.OverwriteOpt = False,
     export: Annotated[str | None, typer.Option(
@@ -231,6 +232,7 @@ def prune(
         min_heads_per_layer=min_heads_per_layer, data=data, text_column=text_column,
         label_column=label_column, max_tokens=max_tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value,
+        shard=shard and shard.value,
         out=str(out) if out else None, overwrite=overwrite, export=export,
         compare=[m.value for m in compare or []], normalize=normalize,
         global_minmax=global_minmax, per_token=per_token, probes=probes,
@@ -258,6 +260,7 @@ def score(
     probes: opt.ProbesOpt = opt.D["probes"],
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    shard: opt.ShardOpt = None,
     out: opt.OutOpt = None,
     overwrite: opt.OverwriteOpt = False,
     quiet: opt.QuietOpt = False,
@@ -273,7 +276,7 @@ def score(
                   text_column=text_column, label_column=label_column, max_tokens=max_tokens,
                   seq_len=seq_len, batch_size=batch_size, seed=seed, normalize=normalize,
                   global_minmax=global_minmax, per_token=per_token, probes=probes,
-                  device=device.value, dtype=dtype.value,
+                  device=device.value, dtype=dtype.value, shard=shard and shard.value,
                   out=str(out) if out else None, overwrite=overwrite)
     _guard(_execute, config, quiet, json_mode, resume)
 
@@ -292,6 +295,7 @@ def eval_(
         help="Unpruned model that embedding fidelity is measured against.")] = None,
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    shard: opt.ShardOpt = None,
     json_mode: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> None:
@@ -310,7 +314,8 @@ def eval_(
         cfg = RunConfig.from_dict(dict(
             model=model, command="eval", data=data, text_column=text_column,
             label_column=label_column, max_tokens=max_tokens, seq_len=seq_len,
-            batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value))
+            batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value,
+            shard=shard and shard.value))
         m = load_model(cfg)
         ref = m
         if objective_for(m).needs_reference:

@@ -31,8 +31,25 @@ def init_from_env(device: str = "cpu") -> bool:
     return True
 
 
+_data_parallel = True  # off while the weights are sharded (headlab.sharding)
+
+
 def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def set_data_parallel(on: bool) -> None:
+    """Whether ranks share the data (the default) or every rank sees every batch.
+
+    `headlab.sharding` turns it off: with FSDP every rank must take part in every
+    block's forward and backward, so the ranks compute the same batches in lockstep
+    and their sums are already the whole data's (nothing is all-reduced)."""
+    global _data_parallel
+    _data_parallel = on
+
+
+def data_parallel() -> bool:
+    return active() and _data_parallel
 
 
 def rank() -> int:
@@ -41,6 +58,11 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if active() else 1
+
+
+def data_rank() -> int:
+    """This rank's place among the ranks sharing the data (0 when every rank sees all)."""
+    return rank() if data_parallel() else 0
 
 
 def is_main() -> bool:
@@ -57,6 +79,8 @@ def shard_rows(n: int, batch_size: int = 1) -> list[int]:
     themselves are shared: rank r takes rows [r n / W, (r + 1) n / W), batched as
     usual, and a rank left with none contributes zeros to the sums.
     """
+    if not data_parallel():
+        return list(range(n))
     n_batches = -(-n // batch_size)
     if n_batches < world_size():
         return list(range(rank() * n // world_size(), (rank() + 1) * n // world_size()))
@@ -65,8 +89,9 @@ def shard_rows(n: int, batch_size: int = 1) -> list[int]:
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over ranks (returned; the input is left as it was on one rank)."""
-    if not active():
+    """Sum ``t`` over ranks sharing the data (returned; the input is left as it was on
+    one rank, and when every rank saw every batch)."""
+    if not data_parallel():
         return t
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     out = t.detach().to(device=device).clone()
@@ -75,8 +100,8 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def sum_floats(*values: float) -> tuple[float, ...]:
-    """All-reduce a few Python numbers in float64."""
-    if not active():
+    """All-reduce a few Python numbers in float64 (over ranks sharing the data)."""
+    if not data_parallel():
         return values
     t = all_reduce_sum(torch.tensor(values, dtype=torch.float64))
     return tuple(float(v) for v in t)

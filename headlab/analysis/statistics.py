@@ -264,7 +264,7 @@ class HeadStatsAccumulator:
 
         from headlab import distributed
 
-        if not distributed.active():
+        if not distributed.data_parallel():
             return
         everyone: list = [None] * distributed.world_size()
         dist.all_gather_object(everyone, self._head_ids)

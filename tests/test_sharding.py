@@ -1,0 +1,133 @@
+"""Weights sharded by FSDP2 across two gloo ranks give the single-process results."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import headlab
+from headlab import distributed, sharding
+
+ROOT = Path(__file__).resolve().parents[1]
+N_BLOCKS = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_shards(tmp_path_factory, bpe_tokenizer):
+    """A random Llama (2 layers, E=64, GQA 4/2 heads) saved by transformers in several
+    safetensors files with their model.safetensors.index.json."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(bpe_tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+        bos_token_id=bpe_tokenizer.eos_token_id, eos_token_id=bpe_tokenizer.eos_token_id)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("tiny-llama-shards")
+    model.save_pretrained(path, max_shard_size="100KB")
+    bpe_tokenizer.save_pretrained(path)
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 2
+    return path
+
+
+def _scored(model) -> dict:
+    blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
+                                 seq_len=32, max_tokens=32 * 2 * N_BLOCKS)
+    blocks = blocks.subset(list(range(N_BLOCKS)))
+    scores = headlab.score(model, blocks, method="michel", batch_size=2, normalize=False)
+    ablation = headlab.score(model, blocks, method="ablation", batch_size=2)
+    plan = headlab.select(scores, 4)
+    return {"scores": scores.scores, "ablation": ablation.scores,
+            "loss": headlab.evaluate(model, blocks, batch_size=2).loss,
+            "kept": {str(k): v for k, v in plan.kept.items()}, "plan": plan}
+
+
+def _worker(rank: int, model_dir: str, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model, reads = sharding.load_sharded(model_dir)
+        assert sharding.is_sharded(model) and not distributed.data_parallel()
+        result = _scored(model)
+        sharding.save_pruned(model, result.pop("plan"), Path(out) / "pruned")
+        result["reads"] = {"tensors": reads.tensors, "elements": reads.elements,
+                           "sliced": reads.sliced}
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        distributed.set_data_parallel(True)
+        dist.destroy_process_group()
+
+
+def _close(a, b, rel=1e-5):
+    torch.testing.assert_close(torch.tensor(a, dtype=torch.float64),
+                               torch.tensor(b, dtype=torch.float64), rtol=rel, atol=1e-9,
+                               equal_nan=True)
+
+
+@pytest.mark.slow
+def test_two_sharded_ranks_equal_one_process(tiny_llama_shards, tmp_path):
+    one = headlab.load(tiny_llama_shards)
+    params = {id(p): p.numel() for p in one.parameters()}
+    single = _scored(one)
+    pruned_one = headlab.prune(one, single.pop("plan"))
+    mp.spawn(_worker, args=(str(tiny_llama_shards), str(tmp_path / "store"), str(tmp_path)),
+             nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for multi in ranks:  # every rank holds the whole data's result
+        _close(multi["scores"], single["scores"])
+        _close(multi["ablation"], single["ablation"])
+        _close(multi["loss"], single["loss"])
+        assert multi["kept"] == single["kept"]
+    # each rank read its own rows of every parameter, the two together each element once
+    total = sum(params.values())
+    assert [r["reads"]["tensors"] for r in ranks] == [len(params)] * 2
+    assert all(r["reads"]["sliced"] for r in ranks)
+    assert sum(r["reads"]["elements"] for r in ranks) == total
+    assert all(0.4 * total < r["reads"]["elements"] < 0.6 * total for r in ranks)
+    # the saved model is the single-process pruned model, tensor for tensor
+    saved = headlab.load(tmp_path / "pruned")
+    assert saved.head_ids() == pruned_one.head_ids()
+    mine, theirs = saved.state_dict(), pruned_one.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_torchrun_cli_sharded_prune_like_one_process(tiny_gpt2_dir, tmp_path):
+    """GPT-2's fused c_attn is read whole and then sharded; scores, kept heads and the
+    saved model are those of one process."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun comes with torch; the venv should have it"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    common = ["prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--schedule",
+              "one-shot", "--recover", "none", "--max-tokens", "640", "--seq-len", "32",
+              "--batch-size", "2", "-q"]
+    runs = {"one": [sys.executable, "-m", "headlab"],
+            "two": [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "headlab"]}
+    for name, launch in runs.items():
+        extra = ["--shard", "fsdp"] if name == "two" else []
+        done = subprocess.run([*launch, *common, *extra, "--out", str(tmp_path / name)],
+                              env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (json.loads((tmp_path / n / "results.json").read_text()) for n in runs)
+    _close(b["importance"], a["importance"])
+    assert b["kept_heads"] == a["kept_heads"]
+    _close(b["quality"]["after"], a["quality"]["after"])
+    assert (tmp_path / "two" / "model" / "model.safetensors.index.json").is_file()
+    one, two = (headlab.load(tmp_path / n / "model").state_dict() for n in runs)
+    assert one.keys() == two.keys()
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=0)
