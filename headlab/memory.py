@@ -4,8 +4,10 @@ runs that would not fit, before any weight is read.
 Per rank, with the weights sharded over W ranks by FSDP (`headlab.sharding`):
 
     parameters   all parameters / W
-    gathered     the root unit (embeddings, final norm, head) and two whole blocks: the
-                 one computing and the next, which FSDP prefetches (none when W = 1)
+    gathered     what stays in the root unit (the final norm, tied embeddings), gathered
+                 for the whole forward, and two whole units: the one computing and the
+                 next, which FSDP prefetches (none when W = 1); the units are the
+                 blocks and the embeddings and head where they are not tied (`units`)
     activations  per token, a block keeps about its parameters / E + 4 E values for the
                  backward pass (its input, Q, K, V, the attention output, the MLP's inner
                  activations); with gradients (scoring) every block keeps them, without
@@ -23,6 +25,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
@@ -54,13 +57,28 @@ class Estimate:
                 f"{self.seq_len} tokens on {self.ranks} rank{'s' if self.ranks > 1 else ''}")
 
 
+def units(model: HeadModel) -> list[nn.Module]:
+    """The modules FSDP shards on their own (`headlab.sharding`): every block, and every
+    other child of the model whose parameters no other child shares (an untied
+    embedding or head); tied ones stay with the root."""
+    owners: dict[int, int] = {}
+    for child in model.children():
+        for p in child.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    rest = [c for c in model.children() if c is not model.blocks
+            and any(True for _ in c.parameters())
+            and all(owners[id(p)] == 1 for p in c.parameters())]
+    return [*model.blocks, *rest]
+
+
 def estimate(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,
              backward: bool, dtype: torch.dtype) -> Estimate:
     """Per-rank memory for ``model`` (real or on the meta device) in ``dtype``."""
     size = torch.finfo(dtype).bits // 8
     per_block = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    per_unit = [sum(p.numel() for p in unit.parameters()) for unit in units(model)]
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    root = total - sum(per_block)
+    root = total - sum(per_unit)
     E = model.attentions[0].o_proj.out_features
     head = getattr(model, "lm_head", None)
     vocab = head.out_features if head is not None else 0
@@ -68,7 +86,7 @@ def estimate(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,
     per_token = max(per_block) / E + 4 * E  # values a block keeps per token
     kept_blocks = model.n_layers if backward else 2
     activations = tokens * (kept_blocks * per_token * size + vocab * (size + 8))
-    gathered = (root + 2 * max(per_block)) * size if ranks > 1 else 0
+    gathered = (root + 2 * max(per_unit)) * size if ranks > 1 else 0
     return Estimate(ranks, batch_size, seq_len, -(-total // ranks) * size, int(gathered),
                     int(activations))
 
@@ -106,6 +124,10 @@ def check_memory(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,
                  if need(r, batch_size).total <= limit), None)
     if more is not None:
         ways.append(f"{more} ranks (torchrun --nproc_per_node {more} ... --shard fsdp)")
+    both = None if ways or batch_size == 1 else next(
+        (r for r in range(ranks + 1, MAX_RANKS + 1) if need(r, 1).total <= limit), None)
+    if both is not None:
+        ways.append(f"{both} ranks at --batch-size 1")
     fix = (" or ".join(ways) + " would fit") if ways else (
         f"neither a smaller batch nor up to {MAX_RANKS} ranks would fit: shorten --seq-len")
     raise UserError(f"not enough memory: the run needs about {est.line()}, and each rank "

@@ -2,9 +2,10 @@
 
 Each transformer block is one `torch.distributed.fsdp.fully_shard` unit: its
 parameters are split by rows (dim 0) across the ranks and gathered only for the
-block's forward and backward; the root unit holds the embeddings, the final norm and
-the head. The head gates and headlab's other buffers are not parameters: they stay
-whole on every rank, so the gate gradients scoring reads are ordinary tensors.
+block's forward and backward; untied embeddings and head are units of their own, and
+the root unit holds the rest (the final norm, tied embeddings), see `memory.units`.
+The head gates and headlab's other buffers are not parameters: they stay whole on
+every rank, so the gate gradients scoring reads are ordinary tensors.
 
 Data: every rank sees every batch (`distributed.set_data_parallel(False)`). FSDP needs
 every rank in every block's all-gather, so the ranks run the same batches in lockstep;
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from torch import nn
 from headlab import distributed
 from headlab._io import atomic_write_text
 from headlab.errors import UserError
-from headlab.memory import check_memory
+from headlab.memory import check_memory, units
 from headlab.models.base import HEADLAB_FORMAT, HeadModel
 from headlab.selection import PrunePlan
 
@@ -64,8 +66,8 @@ def shard(model: HeadModel, *, device: str | torch.device | None = None) -> Head
                         "with torchrun --nproc_per_node N (N >= 2)")
     kind = torch.device(device or model.device).type
     mesh = init_device_mesh(kind, (distributed.world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+    for unit in units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     distributed.set_data_parallel(False)
     return model
@@ -121,8 +123,6 @@ def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str] | None] | None
     """The model of ``path`` with meta parameters (real buffers) and each headlab
     tensor's checkpoint name (None where a tensor is not a plain rename); None where
     ``path`` is no safetensors checkpoint of a known family."""
-    from accelerate import init_empty_weights
-
     from headlab.models.loading import _FAMILY_MODULES, FAMILIES
 
     cfg_file = path / "config.json"
@@ -134,7 +134,7 @@ def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str] | None] | None
                 not in _FAMILY_MODULES:
             return None
         cls = importlib.import_module(_FAMILY_MODULES[config["family"]]).MODEL_CLASS
-        with init_empty_weights(include_buffers=False):
+        with meta_parameters():
             model = cls(cls.config_class.from_dict(config["config"]), layout=config["layout"],
                         **config.get("extra", {}))
             for attn, bias in zip(model.attentions, config.get("out_bias") or [],
@@ -147,7 +147,7 @@ def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str] | None] | None
     module = importlib.import_module(FAMILIES[config["model_type"]])
     cls = module.MODEL_CLASS
     cfg = cls.config_class.from_hf(config)
-    with init_empty_weights(include_buffers=False):
+    with meta_parameters():
         model = cls(cfg)
     wmap = module.weight_map(cfg) if hasattr(module, "weight_map") else None
     if wmap is None or wmap.splits or wmap.transforms:
@@ -165,6 +165,27 @@ def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str] | None] | None
     for i in range(model.n_layers):
         names.update({hl.format(i): hf(k.format(i)) for k, hl in wmap.per_layer.items()})
     return model, names
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory) and
+    their buffers (head ids, gates) real, as accelerate's
+    ``init_empty_weights(include_buffers=False)``; unlike it, a parameter registered a
+    second time (a tied weight: ``lm_head.weight = wte.weight``) stays the same object.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def _key_files(path: Path) -> dict[str, Path]:
@@ -238,14 +259,13 @@ def save_pruned(model: HeadModel, plan: PrunePlan, directory: str | Path) -> Pat
     block, prunes it as `headlab.prune` would and writes it, so no rank ever holds more
     than one whole block beyond its shards.
     """
-    from accelerate import init_empty_weights
     from safetensors.torch import save_file
 
     main = distributed.is_main()
     directory = Path(directory)
     cls = next(c for c in type(model).__mro__
                if issubclass(c, HeadModel) and not _fsdp_class(c))
-    with init_empty_weights(include_buffers=False):
+    with meta_parameters():
         skeleton = cls(model.config, layout=model.layout(), **model.extra_config())
     n = model.n_layers
     weight_map: dict[str, str] = {}

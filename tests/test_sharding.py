@@ -15,7 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import headlab
-from headlab import distributed, sharding
+from headlab import distributed, memory, sharding
+from headlab.config import RunConfig
+from headlab.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 N_BLOCKS = 5
@@ -131,3 +133,54 @@ def test_torchrun_cli_sharded_prune_like_one_process(tiny_gpt2_dir, tmp_path):
     assert one.keys() == two.keys()
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=0)
+
+
+def _meta_llama(tie: bool):
+    from headlab.models.llama import Llama, LlamaConfig
+
+    with sharding.meta_parameters():
+        return Llama(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=256,
+                                 num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, tie_word_embeddings=tie))
+
+
+def test_units_leave_tied_weights_with_the_root():
+    untied, tied = _meta_llama(False), _meta_llama(True)
+    assert [type(u).__name__ for u in memory.units(untied)][4:] == [
+        "Embedding", "RMSNorm", "Linear"]
+    assert [type(u).__name__ for u in memory.units(tied)][4:] == ["RMSNorm"]
+    # what the root keeps, gathered for the whole forward: the tied embedding, once
+    est = memory.estimate(tied, ranks=2, batch_size=1, seq_len=8, backward=False,
+                          dtype=torch.float32)
+    block = sum(p.numel() for p in tied.blocks[0].parameters())
+    assert est.gathered == 4 * (1000 * 64 + 2 * block)
+    total = sum(p.numel() for p in tied.parameters())
+    assert est.parameters == 4 * total // 2
+
+
+def test_memory_guard_refuses_in_one_line_naming_what_fits():
+    model = _meta_llama(False)
+
+    def need(ranks, batch):
+        return memory.estimate(model, ranks=ranks, batch_size=batch, seq_len=128,
+                               backward=True, dtype=torch.bfloat16).total
+
+    kw = dict(seq_len=128, backward=True, dtype=torch.bfloat16, device="cpu")
+    fits = memory.check_memory(model, ranks=2, batch_size=3, limit=need(2, 3), **kw)
+    assert fits.total == need(2, 3)
+    with pytest.raises(UserError) as err:
+        memory.check_memory(model, ranks=2, batch_size=8, limit=need(2, 3), **kw)
+    msg = str(err.value)
+    assert "\n" not in msg and "--batch-size 3 would fit" in msg
+    assert need(2, 4) > need(2, 3)
+    # parameters dominate at batch 1: more ranks fit where one does not
+    limit = need(3, 1)
+    with pytest.raises(UserError, match=r"\b3 ranks \(torchrun --nproc_per_node 3"):
+        memory.check_memory(model, ranks=1, batch_size=1, limit=limit, **kw)
+    assert need(2, 1) > limit
+
+
+def test_a_sharded_prune_does_not_pretend_to_repair():
+    with pytest.raises(UserError, match="--recover none"):
+        RunConfig(model="m", keep=0.5, shard="fsdp").validated()
+    assert RunConfig(model="m", keep=0.5, shard="fsdp", recover="none").validated()
