@@ -325,6 +325,10 @@ def eval_(
             ref = load_model(RunConfig.from_dict({**cfg.to_dict(), "model": reference}))
         _, heldout, _ = build_data(cfg, ref)
         q = evaluate(m, heldout, batch_size=batch_size)
+        from headlab import distributed
+
+        if not distributed.is_main():  # under torchrun rank 0 alone prints
+            return
         summary = {"model": model, **q.to_json(), "heads": m.heads_per_layer,
                    "params": m.num_parameters()}
         if json_mode:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from headlab import distributed
@@ -61,7 +62,7 @@ def shard(model: HeadModel, *, device: str | torch.device | None = None) -> Head
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if not distributed.active():
+    if not (dist.is_available() and dist.is_initialized()):  # one rank is allowed: a test
         raise UserError("--shard fsdp splits the weights across torchrun processes: start "
                         "with torchrun --nproc_per_node N (N >= 2)")
     kind = torch.device(device or model.device).type
@@ -90,15 +91,17 @@ def load_sharded(name_or_path: str | Path, *, device: str = "cpu",
     Where every headlab tensor is one checkpoint tensor renamed (headlab directories,
     Llama-family checkpoints), the model is built on the meta device and each rank
     reads only its rows through safetensors slices. Elsewhere (GPT-2's fused, transposed
-    c_attn; GGUF files; hub ids) every rank loads the whole model, then shards it.
+    c_attn; a GGUF file not yet converted; hub ids) every rank loads the whole model,
+    then shards it.
     With ``batch_size``, `check_memory` first refuses what would not fit.
     """
-    from headlab.models.loading import _tokenizer, gguf_cache_dir, load
+    from headlab.models.loading import BUNDLED, _tokenizer, bundled_path, gguf_cache_dir, load
 
     distributed.init_from_env(device)
-    path = Path(str(name_or_path))
-    if str(name_or_path).endswith(".gguf") and gguf_cache_dir(path).is_dir():
-        path = gguf_cache_dir(path)
+    name = str(name_or_path)
+    path = bundled_path(name) if name in BUNDLED else Path(name)
+    if path.suffix == ".gguf" and path.is_file() and gguf_cache_dir(path).is_dir():
+        path = gguf_cache_dir(path)  # headlab's conversion, written by an earlier load
     built = _built_on_meta(path) if path.is_dir() else None
     if built is not None and batch_size is not None:
         check_memory(built[0], ranks=distributed.world_size(), batch_size=batch_size,

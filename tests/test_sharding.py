@@ -184,3 +184,51 @@ def test_a_sharded_prune_does_not_pretend_to_repair():
     with pytest.raises(UserError, match="--recover none"):
         RunConfig(model="m", keep=0.5, shard="fsdp").validated()
     assert RunConfig(model="m", keep=0.5, shard="fsdp", recover="none").validated()
+
+
+def _gpu_worker(rank: int, world: int, store: str, out: str) -> None:
+    """bf16 sharded michel scores of SmolLM2-135M on ``world`` GPUs (nccl)."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    try:
+        model, _ = sharding.load_sharded("smollm2-135m", device=f"cuda:{rank}",
+                                         dtype=torch.bfloat16)
+        blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
+                                     seq_len=256, max_tokens=8192)
+        torch.cuda.reset_peak_memory_stats()
+        scores = headlab.score(model, blocks, batch_size=8).scores
+        est = memory.estimate(model, ranks=world, batch_size=8, seq_len=256, backward=True,
+                              dtype=torch.bfloat16)
+        if rank == 0:
+            Path(out).write_text(json.dumps({
+                "scores": scores, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "estimate_gib": est.total / 2**30}))
+    finally:
+        distributed.set_data_parallel(True)
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.real
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_sharded_scores_rank_heads_like_float32(tmp_path):
+    """On every GPU present (one rank alone where there is one GPU: nccl will not put two
+    ranks on one device), bf16 sharded scoring ranks the heads as float32 does."""
+    from scipy.stats import spearmanr
+
+    ref = headlab.load("smollm2-135m", device="cuda", dtype=torch.float32)
+    blocks = headlab.make_blocks(headlab.load_texts(), ref.tokenizer, kind=ref.kind,
+                                 seq_len=256, max_tokens=8192)
+    s32 = headlab.score(ref, blocks, batch_size=8).tensor().flatten()
+    del ref
+    world = torch.cuda.device_count()
+    out = tmp_path / "bf16.json"
+    mp.spawn(_gpu_worker, args=(world, str(tmp_path / "store"), str(out)), nprocs=world,
+             join=True)
+    got = json.loads(out.read_text())
+    s16 = torch.tensor(got["scores"], dtype=torch.float64).flatten()
+    rho = spearmanr(s32, s16).statistic
+    print(f"GPUs {world}: spearman {rho:.4f}; peak {got['peak_gib']:.2f} GiB per rank, "
+          f"estimated {got['estimate_gib']:.2f}")
+    assert rho >= 0.99
