@@ -43,6 +43,9 @@ from headlab.models.base import HEADLAB_FORMAT, HeadModel
 from headlab.selection import PrunePlan
 
 SHARDING = ("fsdp",)
+# HF model types whose every tensor is a headlab tensor renamed (`weight_map(config)`),
+# so a rank can read its rows of it; the others are read whole
+SLICED_HF_TYPES = ("llama", "mistral")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -92,8 +95,8 @@ def load_sharded(name_or_path: str | Path, *, device: str = "cpu",
     Llama-family checkpoints), the model is built on the meta device and each rank
     reads only its rows through safetensors slices. Elsewhere (GPT-2's fused, transposed
     c_attn; a GGUF file not yet converted; hub ids) every rank loads the whole model,
-    then shards it.
-    With ``batch_size``, `check_memory` first refuses what would not fit.
+    then shards it. With ``batch_size``, `check_memory` refuses what would not fit,
+    before any weight is read (after, for a model read whole).
     """
     from headlab.models.loading import BUNDLED, _tokenizer, bundled_path, gguf_cache_dir, load
 
@@ -103,14 +106,14 @@ def load_sharded(name_or_path: str | Path, *, device: str = "cpu",
     if path.suffix == ".gguf" and path.is_file() and gguf_cache_dir(path).is_dir():
         path = gguf_cache_dir(path)  # headlab's conversion, written by an earlier load
     built = _built_on_meta(path) if path.is_dir() else None
-    if built is not None and batch_size is not None:
-        check_memory(built[0], ranks=distributed.world_size(), batch_size=batch_size,
+    model = built[0] if built is not None else load(name_or_path, device=device, dtype=dtype)
+    if batch_size is not None:
+        check_memory(model, ranks=distributed.world_size(), batch_size=batch_size,
                      seq_len=seq_len, backward=backward, dtype=dtype, device=device)
-    if built is None or built[1] is None:
-        model = load(name_or_path, device=device, dtype=dtype)
+    if built is None:
         params = list(model.parameters())
         return shard(model), Reads(len(params), sum(p.numel() for p in params), sliced=False)
-    model, names = built
+    names = built[1]
     model = model.to(dtype=dtype)
     buffers = {k: b.clone() for k, b in model.named_buffers()}
     shard(model, device=device)
@@ -122,10 +125,10 @@ def load_sharded(name_or_path: str | Path, *, device: str = "cpu",
     return model, reads
 
 
-def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str] | None] | None:
+def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str]] | None:
     """The model of ``path`` with meta parameters (real buffers) and each headlab
-    tensor's checkpoint name (None where a tensor is not a plain rename); None where
-    ``path`` is no safetensors checkpoint of a known family."""
+    tensor's checkpoint name; None where ``path`` is no safetensors checkpoint that
+    `SLICED_HF_TYPES` or headlab's format covers."""
     from headlab.models.loading import _FAMILY_MODULES, FAMILIES
 
     cfg_file = path / "config.json"
@@ -145,21 +148,19 @@ def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str] | None] | None
                 if bias:
                     attn.ensure_out_bias()
         return model, {k: k for k in model.state_dict()}
-    if config.get("model_type") not in FAMILIES:
+    if config.get("model_type") not in SLICED_HF_TYPES:
         return None
     module = importlib.import_module(FAMILIES[config["model_type"]])
     cls = module.MODEL_CLASS
     cfg = cls.config_class.from_hf(config)
-    with meta_parameters():
-        model = cls(cfg)
-    wmap = module.weight_map(cfg) if hasattr(module, "weight_map") else None
-    if wmap is None or wmap.splits or wmap.transforms:
-        return model, None
+    wmap = module.weight_map(cfg)
     keys = set(_key_files(path))
     probe = next(iter(wmap.per_layer)).format(0)
     prefix = next((p for p in ("model.", "") if p + probe in keys), None)
-    if prefix is None:
-        return model, None
+    if wmap.splits or wmap.transforms or prefix is None:
+        return None
+    with meta_parameters():
+        model = cls(cfg)
 
     def hf(template: str) -> str:
         return template[1:] if template.startswith("^") else prefix + template
