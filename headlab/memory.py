@@ -116,19 +116,37 @@ def check_memory(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,
     if est.total <= limit:
         return est
     ways = []
-    batch = next((b for b in range(batch_size - 1, 0, -1) if need(ranks, b).total <= limit),
-                 None)
+    batch = _largest(lambda b: need(ranks, b).total <= limit, 1, batch_size - 1)
     if batch is not None:
         ways.append(f"--batch-size {batch}")
-    more = next((r for r in range(ranks + 1, MAX_RANKS + 1)
-                 if need(r, batch_size).total <= limit), None)
+    more = _smallest(lambda r: need(r, batch_size).total <= limit, ranks + 1, MAX_RANKS)
     if more is not None:
         ways.append(f"{more} ranks (torchrun --nproc_per_node {more} ... --shard fsdp)")
-    both = None if ways or batch_size == 1 else next(
-        (r for r in range(ranks + 1, MAX_RANKS + 1) if need(r, 1).total <= limit), None)
+    both = None if ways or batch_size == 1 else _smallest(
+        lambda r: need(r, 1).total <= limit, ranks + 1, MAX_RANKS)
     if both is not None:
         ways.append(f"{both} ranks at --batch-size 1")
     fix = (" or ".join(ways) + " would fit") if ways else (
         f"neither a smaller batch nor up to {MAX_RANKS} ranks would fit: shorten --seq-len")
     raise UserError(f"not enough memory: the run needs about {est.line()}, and each rank "
                     f"has {limit / GIB:.1f} GiB to use on {device}; {fix}")
+
+
+def _largest(fits, lo: int, hi: int) -> int | None:
+    """The largest n in [lo, hi] that fits, memory falling as n falls (bisection)."""
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _smallest(fits, lo: int, hi: int) -> int | None:
+    """The smallest n in [lo, hi] that fits, memory falling as n grows (bisection)."""
+    if hi < lo or not fits(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo

@@ -232,3 +232,33 @@ def test_bf16_sharded_scores_rank_heads_like_float32(tmp_path):
     print(f"GPUs {world}: spearman {rho:.4f}; peak {got['peak_gib']:.2f} GiB per rank, "
           f"estimated {got['estimate_gib']:.2f}")
     assert rho >= 0.99
+
+
+@pytest.fixture()
+def one_rank_group(tmp_path):
+    """A one-process gloo group in this process: FSDP with one shard, no spawn."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        distributed.set_data_parallel(True)
+        dist.destroy_process_group()
+
+
+def test_one_rank_fsdp_scores_prunes_and_guards(one_rank_group, tiny_llama_shards, tmp_path):
+    one = headlab.load(tiny_llama_shards)
+    single = _scored(one)
+    model, reads = sharding.load_sharded(tiny_llama_shards, batch_size=2, seq_len=32)
+    assert sharding.is_sharded(model) and reads.sliced
+    assert reads.elements == sum(p.numel() for p in one.parameters())
+    multi = _scored(model)
+    _close(multi["scores"], single["scores"])
+    assert multi["kept"] == single["kept"]
+    sharding.save_pruned(model, multi["plan"], tmp_path / "pruned")
+    pruned = headlab.prune(one, single["plan"])
+    saved = headlab.load(tmp_path / "pruned")
+    for k, v in pruned.state_dict().items():
+        torch.testing.assert_close(saved.state_dict()[k], v, rtol=0, atol=0)
+    with pytest.raises(UserError, match=r"^not enough memory: .* would fit$"):
+        sharding.load_sharded(tiny_llama_shards, batch_size=10**6, seq_len=128)
