@@ -229,6 +229,7 @@ def prune(
     seed: opt.SeedOpt = opt.D["seed"],
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    shard: opt.ShardOpt = None,
     out: opt.OutOpt = None,
     overwrite: opt.OverwriteOpt = False,
     export: Annotated[str | None, typer.Option(
@@ -288,6 +289,7 @@ def prune(
         min_heads_per_layer=min_heads_per_layer, data=data, text_column=text_column,
         label_column=label_column, max_tokens=max_tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value,
+        shard=shard and shard.value,
         out=str(out) if out else None, overwrite=overwrite, export=export,
         compare=[m.value for m in compare or []], normalize=normalize,
         global_minmax=global_minmax, per_token=per_token, probes=probes,
@@ -320,6 +322,7 @@ def score(
     probes: opt.ProbesOpt = opt.D["probes"],
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    shard: opt.ShardOpt = None,
     out: opt.OutOpt = None,
     overwrite: opt.OverwriteOpt = False,
     calib_data: opt.CalibDataOpt = None,
@@ -346,7 +349,7 @@ def score(
                   text_column=text_column, label_column=label_column, max_tokens=max_tokens,
                   seq_len=seq_len, batch_size=batch_size, seed=seed, normalize=normalize,
                   global_minmax=global_minmax, per_token=per_token, probes=probes,
-                  device=device.value, dtype=dtype.value,
+                  device=device.value, dtype=dtype.value, shard=shard and shard.value,
                   out=str(out) if out else None, overwrite=overwrite,
                   **_protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len,
                                    eval_protocol, eval_seq_len),
@@ -382,6 +385,7 @@ def eval_(
         help="List the lm-eval task names (with --include-path's) and exit.")] = False,
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     dtype: opt.DTypeOpt = opt.DEFAULT_DTYPE,
+    shard: opt.ShardOpt = None,
     json_mode: opt.JsonOpt = False,
     quiet: opt.QuietOpt = False,
 ) -> None:
@@ -411,6 +415,7 @@ def eval_(
             model=model, command="eval", data=data, text_column=text_column,
             label_column=label_column, max_tokens=max_tokens, seq_len=seq_len,
             batch_size=batch_size, seed=seed, device=device.value, dtype=dtype.value,
+            shard=shard and shard.value,
             **_protocol_keys(calib_data, eval_data, None, None, eval_protocol, eval_seq_len),
             **task_keys))
         check_data(cfg)  # before the model loads
@@ -423,6 +428,10 @@ def eval_(
             ref = load_model(RunConfig.from_dict({**cfg.to_dict(), "model": reference}))
         _, heldout, _ = build_data(cfg, ref)
         q = evaluate(m, heldout, batch_size=batch_size)
+        from headlab import distributed
+
+        if not distributed.is_main():  # under torchrun rank 0 alone prints
+            return
         summary = {"model": model, **q.to_json(), "heads": m.heads_per_layer,
                    "params": m.num_parameters(), **_eval_tasks(cfg, m)}
         if json_mode:

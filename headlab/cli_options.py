@@ -20,6 +20,7 @@ from headlab.config import (
     RECOVER_PARAMS,
     RECOVERY_METHODS,
     SCHEDULES,
+    SHARDING,
     RunConfig,
 )
 from headlab.schedule import UNITS
@@ -31,6 +32,7 @@ Device = StrEnum("Device", [(m, m) for m in DEVICES])
 DType = StrEnum("DType", [(m, m) for m in DTYPES])
 Recovery = StrEnum("Recovery", [(m, m) for m in RECOVERY_METHODS])
 RecoverParams = StrEnum("RecoverParams", [(m, m) for m in RECOVER_PARAMS])
+Sharding = StrEnum("Sharding", [(m, m) for m in SHARDING])
 D = RunConfig.defaults()
 DEFAULT_METHOD, DEFAULT_SCHEDULE = Method(D["method"]), Schedule(D["schedule"])
 DEFAULT_DEVICE, DEFAULT_DTYPE = Device(D["device"]), DType(D["dtype"])
@@ -61,6 +63,9 @@ SeedOpt = Annotated[int, typer.Option(
     help="Seed of the scoring/held-out split, the masking and random scores.")]
 DeviceOpt = Annotated[Device, typer.Option(help="auto picks CUDA when present.")]
 DTypeOpt = Annotated[DType, typer.Option(help="Model dtype.")]
+ShardOpt = Annotated[Sharding | None, typer.Option(
+    help="fsdp: split the weights across torchrun ranks (FSDP2, one unit per block); every "
+         "rank then sees every batch.")]
 OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing run directory.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary.")]

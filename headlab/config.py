@@ -26,6 +26,7 @@ from headlab.selection import GROUP_SCORES
 
 SCHEDULES = ("iterative", "one-shot")
 DEVICES = ("auto", "cpu", "cuda")
+SHARDING = ("fsdp",)  # headlab.sharding: the weights split across torchrun ranks
 
 COMMANDS = ("prune", "score", "eval")
 
@@ -70,6 +71,7 @@ class RunConfig:
     probes: int = 4  # taylor's curvature probes per batch
     device: str = "auto"
     dtype: str = "float32"
+    shard: str | None = None  # "fsdp": weights sharded across torchrun ranks (FSDP2)
     out: str | None = None
     overwrite: bool = False
     export: str | None = None
@@ -153,6 +155,13 @@ class RunConfig:
             raise UserError("sample_tokens must be >= 2, latency_batch and latency_seq_len >= 1")
         if self.seq_len is not None and self.seq_len < 4:
             raise UserError(f"--seq-len must be >= 4, got {self.seq_len}")
+        if self.shard is not None and self.shard not in SHARDING:
+            raise UserError(f"--shard must be {' or '.join(SHARDING)}, got {self.shard!r}")
+        if self.shard is not None and self.command == "prune" and (
+                self.recover != "none" or self.export is not None):
+            raise UserError("a sharded prune saves the pruned model but neither repairs nor "
+                            "exports it: pass --recover none (repair and export model/ "
+                            "unsharded, where it fits)")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

@@ -151,10 +151,6 @@ def score(
         raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
     check_blocks(blocks, what="score", kind=objective_for(model).kind)
     n_examples = len(blocks)
-    if -(-n_examples // batch_size) < distributed.world_size():
-        raise UserError(f"{n_examples} blocks in batches of {batch_size} cannot be shared by "
-                         f"{distributed.world_size()} ranks; give more data, smaller batches "
-                         "or fewer processes")
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     if per_token and method not in PER_TOKEN_METHODS:
         raise UserError(f"per-token gates apply to {' and '.join(PER_TOKEN_METHODS)}, "
@@ -251,7 +247,7 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
             if method == "taylor":
                 # per batch, rank and seed its own draws, so a resumed run repeats them
                 gen = torch.Generator().manual_seed(
-                    (seed * 1_000_003 + distributed.rank()) * 1_000_003 + index)
+                    (seed * 1_000_003 + distributed.data_rank()) * 1_000_003 + index)
                 curvature = [None if g is None else torch.zeros_like(g) for g in grads]
                 pairs = objective.curvature_probes(model, out, batch, probes, gen)
                 for j, (output, cotangent) in enumerate(pairs):

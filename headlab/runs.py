@@ -40,6 +40,7 @@ from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, R
 from headlab.runlock import RunLock, remove_stale_temps
 from headlab.schedule import prune_to_target
 from headlab.selection import heads_to_keep, kv_groups
+from headlab.sharding import is_sharded, load_sharded, save_pruned
 
 log = logging.getLogger("headlab")
 
@@ -61,7 +62,11 @@ def _now() -> str:
 
 
 def load_model(cfg: RunConfig) -> HeadModel:
-    return load(cfg.model, device=resolve_device(cfg.device), dtype=DTYPES[cfg.dtype])
+    device, dtype = resolve_device(cfg.device), DTYPES[cfg.dtype]
+    if cfg.shard == "fsdp":  # the memory guard assumes the objective's longest blocks
+        return load_sharded(cfg.model, device=device, dtype=dtype, batch_size=cfg.batch_size,
+                            seq_len=cfg.seq_len or 256, backward=cfg.command != "eval")[0]
+    return load(cfg.model, device=device, dtype=dtype)
 
 
 def build_data(cfg: RunConfig, model: HeadModel) -> tuple[Blocks, Blocks, int]:
@@ -321,7 +326,7 @@ class _Stage:
                                    higher_is_better=q.higher_is_better, loss_before=q.loss),
             params=BeforeAfter(shape.params),
             kv_cache_bytes_per_token=BeforeAfter(shape.kv_bytes))
-        if distributed.is_main():
+        if distributed.is_main() or is_sharded(model):  # sharded: every rank runs it
             result.sample, result.statistics, result.clusters = self._overview()
         self._tasks(result, model, None)
         self._finish(result, scores)
@@ -342,18 +347,22 @@ class _Stage:
                                       100 * p.fraction_pruned, p.quality))
         curves[cfg.method] = res.curve
         # the model stays as it came: the reference for timing, overview and repair
+        sharded = is_sharded(model)
         if cfg.demote:  # the groups the plan would remove keep a sink + window cache
             pruned = demote(copy_model(model), res.plan.as_demotion(), sinks=cfg.sinks,
                             window=cfg.window)
+        elif sharded:  # written block by block, read back sharded (no copy of the whole)
+            pruned = load_sharded(save_pruned(model, res.plan, self.out / "model"),
+                                  device=str(model.device), dtype=model.dtype)[0]
         else:
             pruned = prune(copy_model(model), res.plan)
         latency = None
-        if main:
+        if main and not sharded:
             log.info("timing the pruned model against the unpruned one")
             lat_s = min(cfg.latency_seq_len, self.seq_len)
             t_before, t_after = compare_latency(model, pruned, cfg.latency_batch, lat_s)
             latency = Latency(t_before, t_after, batch=cfg.latency_batch, seq_len=lat_s)
-        result_overview = self._overview() if main else None
+        result_overview = self._overview() if main or sharded else None
         q_after = q_pruned = evaluate(pruned, self.heldout, batch_size=cfg.batch_size)
         recovery = None
         if cfg.demote and cfg.recover != "none":
@@ -367,7 +376,7 @@ class _Stage:
             log.info("  %s: %.4g pruned, %.4g repaired", q_after.metric, q_pruned.value,
                      q_after.value)
         after = _Shape.of(pruned)
-        if main:
+        if main and not sharded:
             with atomic_dir(self.out / "model") as staging:  # whole, or not at all
                 pruned.save(staging)
         export_note = None

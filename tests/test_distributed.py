@@ -39,7 +39,23 @@ def _pipeline(model_dir: str) -> dict:
         "loss": quality.loss, "eval_tokens": quality.n_tokens,
         "kept": {str(k): v for k, v in res.plan.kept.items()},
         "curve": [p.to_json() for p in res.curve],
+        "few": _few(model, blocks),
     }
+
+
+def _few(model, blocks) -> dict:
+    """Fewer batches than ranks: 3 blocks (ranks take 1 and 2 examples) and 1 block (rank 0
+    takes none and contributes zeros), in batches of 8."""
+    out = {}
+    for n in (3, 1):
+        part = blocks.subset(list(range(n)))
+        out[str(n)] = {
+            "scores": {m: headlab.score(model, part, method=m, batch_size=8,
+                                        normalize=False).scores
+                       for m in ("michel", "entropy")},
+            "loss": headlab.evaluate(model, part, batch_size=8).loss,
+        }
+    return out
 
 
 def _worker(rank: int, model_dir: str, store: str, out: str) -> None:
@@ -49,6 +65,9 @@ def _worker(rank: int, model_dir: str, store: str, out: str) -> None:
         assert distributed.active() and distributed.world_size() == 2
         # batches of 2 dealt out: rank 0 gets [0, 1], [4, 5]; rank 1 [2, 3], [6]
         assert distributed.shard_rows(N_BLOCKS, 2) == [[0, 1, 4, 5], [2, 3, 6]][rank]
+        # one batch of 3 or of 1 for two ranks: the examples are shared out
+        assert distributed.shard_rows(3, 8) == [[0], [1, 2]][rank]
+        assert distributed.shard_rows(1, 8) == [[], [0]][rank]
         result = _pipeline(model_dir)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
@@ -75,6 +94,10 @@ def test_two_gloo_ranks_equal_one_process(tiny_gpt2_dir, tmp_path):
     _close(multi["loss"], single["loss"])
     assert multi["kept"] == single["kept"]
     _close([p["quality"] for p in multi["curve"]], [p["quality"] for p in single["curve"]])
+    for n, one in single["few"].items():  # other batch shapes than one process: 1e-5
+        for method, s in one["scores"].items():
+            _close(multi["few"][n]["scores"][method], s, rel=1e-5)
+        _close(multi["few"][n]["loss"], one["loss"], rel=1e-5)
 
 
 @pytest.mark.slow

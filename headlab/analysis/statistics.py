@@ -258,15 +258,25 @@ class HeadStatsAccumulator:
                 self._counts[layer] += counts
 
     def all_reduce(self) -> None:
-        """Sum the accumulators over torch.distributed ranks (every rank must call it,
-        each having seen at least one batch); nothing happens outside torchrun."""
+        """Sum the accumulators over torch.distributed ranks (every rank must call it; a
+        rank that saw no batch contributes zeros); nothing happens outside torchrun."""
+        import torch.distributed as dist
+
         from headlab import distributed
 
-        if not distributed.active():
+        if not distributed.data_parallel():
             return
+        everyone: list = [None] * distributed.world_size()
+        dist.all_gather_object(everyone, self._head_ids)
+        seen = next((ids for ids in everyone if ids[0] is not None), None)
+        if seen is None:
+            raise ValueError("all_reduce needs at least one batch on some rank")
         for layer in range(self.n_layers):
-            if self._sums[layer] is None:
-                raise ValueError("all_reduce needs at least one batch on every rank")
+            if self._sums[layer] is None:  # this rank had no rows to see
+                H = len(seen[layer])
+                self._sums[layer] = torch.zeros(H, len(STAT_NAMES), dtype=torch.float64)
+                self._counts[layer] = torch.zeros(H, dtype=torch.long)
+                self._head_ids[layer] = seen[layer]
             self._sums[layer] = distributed.all_reduce_sum(self._sums[layer])
             self._counts[layer] = distributed.all_reduce_sum(self._counts[layer])
 

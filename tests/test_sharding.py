@@ -1,0 +1,264 @@
+"""Weights sharded by FSDP2 across two gloo ranks give the single-process results."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import headlab
+from headlab import distributed, memory, sharding
+from headlab.config import RunConfig
+from headlab.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+N_BLOCKS = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_shards(tmp_path_factory, bpe_tokenizer):
+    """A random Llama (2 layers, E=64, GQA 4/2 heads) saved by transformers in several
+    safetensors files with their model.safetensors.index.json."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(bpe_tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+        bos_token_id=bpe_tokenizer.eos_token_id, eos_token_id=bpe_tokenizer.eos_token_id)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("tiny-llama-shards")
+    model.save_pretrained(path, max_shard_size="100KB")
+    bpe_tokenizer.save_pretrained(path)
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 2
+    return path
+
+
+def _scored(model) -> dict:
+    blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
+                                 seq_len=32, max_tokens=32 * 2 * N_BLOCKS)
+    blocks = blocks.subset(list(range(N_BLOCKS)))
+    scores = headlab.score(model, blocks, method="michel", batch_size=2, normalize=False)
+    ablation = headlab.score(model, blocks, method="ablation", batch_size=2)
+    plan = headlab.select(scores, 4)
+    return {"scores": scores.scores, "ablation": ablation.scores,
+            "loss": headlab.evaluate(model, blocks, batch_size=2).loss,
+            "kept": {str(k): v for k, v in plan.kept.items()}, "plan": plan}
+
+
+def _worker(rank: int, model_dir: str, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model, reads = sharding.load_sharded(model_dir)
+        assert sharding.is_sharded(model) and not distributed.data_parallel()
+        result = _scored(model)
+        sharding.save_pruned(model, result.pop("plan"), Path(out) / "pruned")
+        result["reads"] = {"tensors": reads.tensors, "elements": reads.elements,
+                           "sliced": reads.sliced}
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        distributed.set_data_parallel(True)
+        dist.destroy_process_group()
+
+
+def _close(a, b, rel=1e-5):
+    torch.testing.assert_close(torch.tensor(a, dtype=torch.float64),
+                               torch.tensor(b, dtype=torch.float64), rtol=rel, atol=1e-9,
+                               equal_nan=True)
+
+
+@pytest.mark.slow
+def test_two_sharded_ranks_equal_one_process(tiny_llama_shards, tmp_path):
+    one = headlab.load(tiny_llama_shards)
+    params = {id(p): p.numel() for p in one.parameters()}
+    single = _scored(one)
+    pruned_one = headlab.prune(one, single.pop("plan"))
+    mp.spawn(_worker, args=(str(tiny_llama_shards), str(tmp_path / "store"), str(tmp_path)),
+             nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for multi in ranks:  # every rank holds the whole data's result
+        _close(multi["scores"], single["scores"])
+        _close(multi["ablation"], single["ablation"])
+        _close(multi["loss"], single["loss"])
+        assert multi["kept"] == single["kept"]
+    # each rank read its own rows of every parameter, the two together each element once
+    total = sum(params.values())
+    assert [r["reads"]["tensors"] for r in ranks] == [len(params)] * 2
+    assert all(r["reads"]["sliced"] for r in ranks)
+    assert sum(r["reads"]["elements"] for r in ranks) == total
+    assert all(0.4 * total < r["reads"]["elements"] < 0.6 * total for r in ranks)
+    # the saved model is the single-process pruned model, tensor for tensor
+    saved = headlab.load(tmp_path / "pruned")
+    assert saved.head_ids() == pruned_one.head_ids()
+    mine, theirs = saved.state_dict(), pruned_one.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_torchrun_cli_sharded_prune_like_one_process(tiny_gpt2_dir, tmp_path):
+    """GPT-2's fused c_attn is read whole and then sharded; scores, kept heads and the
+    saved model are those of one process."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun comes with torch; the venv should have it"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    common = ["prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--schedule",
+              "one-shot", "--recover", "none", "--max-tokens", "640", "--seq-len", "32",
+              "--batch-size", "2", "-q"]
+    runs = {"one": [sys.executable, "-m", "headlab"],
+            "two": [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "headlab"]}
+    for name, launch in runs.items():
+        extra = ["--shard", "fsdp"] if name == "two" else []
+        done = subprocess.run([*launch, *common, *extra, "--out", str(tmp_path / name)],
+                              env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (json.loads((tmp_path / n / "results.json").read_text()) for n in runs)
+    _close(b["importance"], a["importance"])
+    assert b["kept_heads"] == a["kept_heads"]
+    _close(b["quality"]["after"], a["quality"]["after"])
+    assert (tmp_path / "two" / "model" / "model.safetensors.index.json").is_file()
+    one, two = (headlab.load(tmp_path / n / "model").state_dict() for n in runs)
+    assert one.keys() == two.keys()
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=0)
+
+
+def _meta_llama(tie: bool):
+    from headlab.models.llama import Llama, LlamaConfig
+
+    with sharding.meta_parameters():
+        return Llama(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=256,
+                                 num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, tie_word_embeddings=tie))
+
+
+def test_units_leave_tied_weights_with_the_root():
+    untied, tied = _meta_llama(False), _meta_llama(True)
+    assert [type(u).__name__ for u in memory.units(untied)][4:] == [
+        "Embedding", "RMSNorm", "Linear"]
+    assert [type(u).__name__ for u in memory.units(tied)][4:] == ["RMSNorm"]
+    # what the root keeps, gathered for the whole forward: the tied embedding, once
+    est = memory.estimate(tied, ranks=2, batch_size=1, seq_len=8, backward=False,
+                          dtype=torch.float32)
+    block = sum(p.numel() for p in tied.blocks[0].parameters())
+    assert est.gathered == 4 * (1000 * 64 + 2 * block)
+    total = sum(p.numel() for p in tied.parameters())
+    assert est.parameters == 4 * total // 2
+
+
+def test_memory_guard_refuses_in_one_line_naming_what_fits():
+    model = _meta_llama(False)
+
+    def need(ranks, batch):
+        return memory.estimate(model, ranks=ranks, batch_size=batch, seq_len=128,
+                               backward=True, dtype=torch.bfloat16).total
+
+    kw = dict(seq_len=128, backward=True, dtype=torch.bfloat16, device="cpu")
+    fits = memory.check_memory(model, ranks=2, batch_size=3, limit=need(2, 3), **kw)
+    assert fits.total == need(2, 3)
+    with pytest.raises(UserError) as err:
+        memory.check_memory(model, ranks=2, batch_size=8, limit=need(2, 3), **kw)
+    msg = str(err.value)
+    assert "\n" not in msg and "--batch-size 3 would fit" in msg
+    assert need(2, 4) > need(2, 3)
+    # parameters dominate at batch 1: more ranks fit where one does not
+    limit = need(3, 1)
+    with pytest.raises(UserError, match=r"\b3 ranks \(torchrun --nproc_per_node 3"):
+        memory.check_memory(model, ranks=1, batch_size=1, limit=limit, **kw)
+    assert need(2, 1) > limit
+
+
+def test_a_sharded_prune_does_not_pretend_to_repair():
+    with pytest.raises(UserError, match="--recover none"):
+        RunConfig(model="m", keep=0.5, shard="fsdp").validated()
+    assert RunConfig(model="m", keep=0.5, shard="fsdp", recover="none").validated()
+
+
+def _gpu_worker(rank: int, world: int, store: str, out: str) -> None:
+    """bf16 sharded michel scores of SmolLM2-135M on ``world`` GPUs (nccl)."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    try:
+        model, _ = sharding.load_sharded("smollm2-135m", device=f"cuda:{rank}",
+                                         dtype=torch.bfloat16)
+        blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
+                                     seq_len=256, max_tokens=8192)
+        torch.cuda.reset_peak_memory_stats()
+        scores = headlab.score(model, blocks, batch_size=8).scores
+        est = memory.estimate(model, ranks=world, batch_size=8, seq_len=256, backward=True,
+                              dtype=torch.bfloat16)
+        if rank == 0:
+            Path(out).write_text(json.dumps({
+                "scores": scores, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "estimate_gib": est.total / 2**30}))
+    finally:
+        distributed.set_data_parallel(True)
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.real
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_sharded_scores_rank_heads_like_float32(tmp_path):
+    """On every GPU present (one rank alone where there is one GPU: nccl will not put two
+    ranks on one device), bf16 sharded scoring ranks the heads as float32 does."""
+    from scipy.stats import spearmanr
+
+    ref = headlab.load("smollm2-135m", device="cuda", dtype=torch.float32)
+    blocks = headlab.make_blocks(headlab.load_texts(), ref.tokenizer, kind=ref.kind,
+                                 seq_len=256, max_tokens=8192)
+    s32 = headlab.score(ref, blocks, batch_size=8).tensor().flatten()
+    del ref
+    world = torch.cuda.device_count()
+    out = tmp_path / "bf16.json"
+    mp.spawn(_gpu_worker, args=(world, str(tmp_path / "store"), str(out)), nprocs=world,
+             join=True)
+    got = json.loads(out.read_text())
+    s16 = torch.tensor(got["scores"], dtype=torch.float64).flatten()
+    rho = spearmanr(s32, s16).statistic
+    print(f"GPUs {world}: spearman {rho:.4f}; peak {got['peak_gib']:.2f} GiB per rank, "
+          f"estimated {got['estimate_gib']:.2f}")
+    assert rho >= 0.99
+
+
+@pytest.fixture()
+def one_rank_group(tmp_path):
+    """A one-process gloo group in this process: FSDP with one shard, no spawn."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        distributed.set_data_parallel(True)
+        dist.destroy_process_group()
+
+
+def test_one_rank_fsdp_scores_prunes_and_guards(one_rank_group, tiny_llama_shards, tmp_path):
+    one = headlab.load(tiny_llama_shards)
+    single = _scored(one)
+    model, reads = sharding.load_sharded(tiny_llama_shards, batch_size=2, seq_len=32)
+    assert sharding.is_sharded(model) and reads.sliced
+    assert reads.elements == sum(p.numel() for p in one.parameters())
+    multi = _scored(model)
+    _close(multi["scores"], single["scores"])
+    assert multi["kept"] == single["kept"]
+    sharding.save_pruned(model, multi["plan"], tmp_path / "pruned")
+    pruned = headlab.prune(one, single["plan"])
+    saved = headlab.load(tmp_path / "pruned")
+    for k, v in pruned.state_dict().items():
+        torch.testing.assert_close(saved.state_dict()[k], v, rtol=0, atol=0)
+    with pytest.raises(UserError, match=r"^not enough memory: .* would fit$"):
+        sharding.load_sharded(tiny_llama_shards, batch_size=10**6, seq_len=128)
