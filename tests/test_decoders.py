@@ -354,8 +354,9 @@ def test_michel_equals_per_example_brute_force(pair):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"neox-sequential"}))
 def test_headlab_prune_runs_end_to_end(case, tmp_path, bpe_tokenizer):
-    """`headlab prune` on each family's checkpoint (with a tokenizer), report included
-    (GPT-NeoX once: its sequential wiring is proven above)."""
+    """`headlab prune --per-layer --export hf` on each family's checkpoint (with a
+    tokenizer), with the default lsq repair; report and export included (GPT-NeoX once:
+    its sequential wiring is proven above)."""
     import json
     import subprocess
     import sys
@@ -366,7 +367,7 @@ def test_headlab_prune_runs_end_to_end(case, tmp_path, bpe_tokenizer):
     r = subprocess.run(
         [sys.executable, "-m", "headlab", "prune", "--model", directory, "--keep", "0.5",
          "--max-tokens", "512", "--seq-len", "32", "--batch-size", "8", "--schedule", "one-shot",
-         "--recover", "none",
+         "--per-layer", "--export", "hf",
          "--out", str(out),
          "--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -374,8 +375,15 @@ def test_headlab_prune_runs_end_to_end(case, tmp_path, bpe_tokenizer):
     assert results["heads_total"] == 8 and results["heads_kept"] == 4
     assert all(q == q for q in (results["quality"]["before"], results["quality"]["after"]))
     assert (out / "report.html").stat().st_size > 10_000
-    assert load(out / "model", tokenizer=False).heads_per_layer == [
-        len(ids) for ids in results["kept_heads"].values()]
+    pruned = load(out / "model", tokenizer=False)
+    assert pruned.heads_per_layer == [len(ids) for ids in results["kept_heads"].values()]
+    # HF export where the shape (and lsq's W_O bias) fits the family's config
+    reason = hf_expressible(pruned)
+    assert (out / "model-hf").is_dir() == (reason is None), reason
+    if reason is None:
+        ids = torch.randint(0, len(bpe_tokenizer), (2, 12), generator=torch.Generator())
+        with torch.no_grad():
+            assert_close(_hf(str(out / "model-hf"))(ids).logits, pruned(ids).logits, **LOGITS)
 
 
 # ---------------------------------------------------------------------- configs
