@@ -401,6 +401,9 @@ def test_hub_style_configs_read_as_transformers_reads_them():
                                    sliding_window=32768, max_window_layers=21, rope_theta=1e6))
     assert qwen25.sliding_window is None and set(qwen25.layer_types) == {"full_attention"}
     assert qwen25.rope["full_attention"]["rope_theta"] == 1e6
+    off = qwen.read_config(dict(base, model_type="qwen3", use_sliding_window=False,
+                                sliding_window=4, layer_types=["sliding_attention"] * 6))
+    assert off.sliding_window is None and set(off.layer_types) == {"full_attention"}
     g3 = gemma.read_config(dict(base, model_type="gemma3_text", head_dim=16,
                                 rope_theta=1e6, rope_local_base_freq=1e4,
                                 rope_scaling={"rope_type": "linear", "factor": 8.0},
