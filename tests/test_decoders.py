@@ -354,8 +354,9 @@ def test_michel_equals_per_example_brute_force(pair):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"neox-sequential"}))
 def test_headlab_prune_runs_end_to_end(case, tmp_path, bpe_tokenizer):
-    """`headlab prune` on each family's checkpoint (with a tokenizer), report included
-    (GPT-NeoX once: its sequential wiring is proven above)."""
+    """`headlab prune --per-layer --export hf` on each family's checkpoint (with a
+    tokenizer), with the default lsq repair; report and export included (GPT-NeoX once:
+    its sequential wiring is proven above)."""
     import json
     import subprocess
     import sys
@@ -366,7 +367,7 @@ def test_headlab_prune_runs_end_to_end(case, tmp_path, bpe_tokenizer):
     r = subprocess.run(
         [sys.executable, "-m", "headlab", "prune", "--model", directory, "--keep", "0.5",
          "--max-tokens", "512", "--seq-len", "32", "--batch-size", "8", "--schedule", "one-shot",
-         "--recover", "none",
+         "--per-layer", "--export", "hf",
          "--out", str(out),
          "--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -374,8 +375,15 @@ def test_headlab_prune_runs_end_to_end(case, tmp_path, bpe_tokenizer):
     assert results["heads_total"] == 8 and results["heads_kept"] == 4
     assert all(q == q for q in (results["quality"]["before"], results["quality"]["after"]))
     assert (out / "report.html").stat().st_size > 10_000
-    assert load(out / "model", tokenizer=False).heads_per_layer == [
-        len(ids) for ids in results["kept_heads"].values()]
+    pruned = load(out / "model", tokenizer=False)
+    assert pruned.heads_per_layer == [len(ids) for ids in results["kept_heads"].values()]
+    # HF export where the shape (and lsq's W_O bias) fits the family's config
+    reason = hf_expressible(pruned)
+    assert (out / "model-hf").is_dir() == (reason is None), reason
+    if reason is None:
+        ids = torch.randint(0, len(bpe_tokenizer), (2, 12), generator=torch.Generator())
+        with torch.no_grad():
+            assert_close(_hf(str(out / "model-hf"))(ids).logits, pruned(ids).logits, **LOGITS)
 
 
 # ---------------------------------------------------------------------- configs
@@ -393,6 +401,9 @@ def test_hub_style_configs_read_as_transformers_reads_them():
                                    sliding_window=32768, max_window_layers=21, rope_theta=1e6))
     assert qwen25.sliding_window is None and set(qwen25.layer_types) == {"full_attention"}
     assert qwen25.rope["full_attention"]["rope_theta"] == 1e6
+    off = qwen.read_config(dict(base, model_type="qwen3", use_sliding_window=False,
+                                sliding_window=4, layer_types=["sliding_attention"] * 6))
+    assert off.sliding_window is None and set(off.layer_types) == {"full_attention"}
     g3 = gemma.read_config(dict(base, model_type="gemma3_text", head_dim=16,
                                 rope_theta=1e6, rope_local_base_freq=1e4,
                                 rope_scaling={"rope_type": "linear", "factor": 8.0},

@@ -61,13 +61,15 @@ def read_config(hf: dict) -> DecoderConfig:
         raise ValueError(f"model_type {model_type!r} is not one of {MODEL_TYPES}")
     qwen3 = model_type == "qwen3"
     bias = bool(hf.get("attention_bias", False)) if qwen3 else True
-    layer_types = sliding_layers(hf)
+    # as transformers' Qwen configs: no window at all unless use_sliding_window
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    layer_types = sliding_layers(hf) if window else None
     rope = read_rope(hf)
     return DecoderConfig(
         **shared_fields(hf), norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6),
         act=hf.get("hidden_act", "silu"), qkv_bias=bias, out_bias=bias and qwen3,
         qk_norm="head" if qwen3 else None, layer_types=layer_types,
-        sliding_window=hf.get("sliding_window") if layer_types else None,
+        sliding_window=window,
         rope={"full_attention": rope, "sliding_attention": rope},
     )
 
