@@ -49,6 +49,7 @@ SLICED_HF_TYPES = ("llama", "mistral")
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` went through `shard` (its class is an FSDP module)."""
     return _fsdp_class(type(model))
 
 
@@ -298,8 +299,8 @@ def save_pruned(model: HeadModel, plan: PrunePlan, directory: str | Path) -> Pat
     rest = {k: _whole(v) for k, v in model.state_dict().items() if not k.startswith("blocks.")}
     if main:
         name = f"model-{n + 1:05d}-of-{n + 1:05d}.safetensors"
-        # tied weights come back as separate copies: safetensors refuses shared storage
-        save_file({k: v.contiguous().clone() for k, v in rest.items()},
+        # each name of a tied weight was gathered into its own copy, as safetensors wants
+        save_file({k: v.contiguous() for k, v in rest.items()},
                   str(directory / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in rest})
         atomic_write_text(directory / "model.safetensors.index.json", json.dumps(
