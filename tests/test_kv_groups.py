@@ -229,3 +229,14 @@ def test_demote_run_records_the_cache_and_keeps_the_demotion(gqa_dir, tmp_path):
     assert back.kv_cache == kv
     build_report(back, tmp_path / "r.html")
     assert "demoted (streaming) heads" in (tmp_path / "r.html").read_text()
+
+
+def test_predicted_speedup_scales_the_attention_share_by_the_keys_read():
+    from headlab.cache_report import predicted_speedup
+
+    # half of a step is attention; half the kv heads then read 10 keys instead of 1000
+    got = predicted_speedup(0.5, kv_full=1, kv_demoted=1, slots=10, context=1000)
+    assert got == pytest.approx(1 / (0.5 + 0.5 * (1 + 10 / 1000) / 2), rel=1e-12)
+    # a window longer than the context saves nothing
+    assert predicted_speedup(0.5, kv_full=1, kv_demoted=1, slots=2000,
+                             context=1000) == pytest.approx(1.0, rel=1e-12)
