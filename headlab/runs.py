@@ -23,7 +23,7 @@ from headlab.cache_report import KVCacheReport, measure_decode
 from headlab.checkpoint import Checkpoint
 from headlab.config import DTYPES, RunConfig, resolve_device
 from headlab.data import BUNDLED_SPEC, BUNDLED_WARNING, Blocks, load_texts, split_blocks
-from headlab.detectors import detect_all
+from headlab.detectors import detect, kinds_for
 from headlab.errors import UserError
 from headlab.evaluate import evaluate
 from headlab.filecheck import read_config
@@ -504,8 +504,14 @@ class _Stage:
     def _head_types(self) -> dict[str, list[list[float]]]:
         """The unpruned model's detector scores by kind, for the report's head types."""
         log.info("detecting head types")
-        found = detect_all(self.model, n=8, seq_len=min(64, self.seq_len), seed=self.cfg.seed)
-        return {kind: s.scores for kind, s in found.items()}
+        found = {}
+        for kind in kinds_for(self.model):
+            try:
+                found[kind] = detect(self.model, kind, n=8, seq_len=min(64, self.seq_len),
+                                     seed=self.cfg.seed).scores
+            except (UserError, ValueError) as exc:  # e.g. prompts longer than the positions
+                log.warning("head type %s not detected: %s", kind, exc)
+        return found
 
     def _finish(self, result: RunResult, scores: HeadScores) -> None:
         from headlab.report import build_report
