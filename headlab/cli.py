@@ -216,6 +216,9 @@ def prune(
     = opt.D["recover_lr"],
     recover_temperature: Annotated[float, typer.Option(help="distill: KL temperature.")]
     = opt.D["recover_temperature"],
+    recover_every_step: Annotated[bool, typer.Option(
+        help="Repair after each step too (bias, lsq, rescale), before re-scoring; the "
+             "curve shows the repaired quality.")] = False,
     quiet: opt.QuietOpt = False,
     json_mode: opt.JsonOpt = False,
     resume: opt.ResumeOpt = None,
@@ -236,7 +239,7 @@ def prune(
         global_minmax=global_minmax, per_token=per_token, probes=probes,
         recover=recover.value, recover_ridge=recover_ridge, recover_tokens=recover_tokens,
         recover_params=recover_params.value, recover_lr=recover_lr,
-        recover_temperature=recover_temperature,
+        recover_temperature=recover_temperature, recover_every_step=recover_every_step,
     )
     _guard(_execute, config, quiet, json_mode, resume)
 

@@ -20,7 +20,9 @@ from headlab.evaluate import evaluate
 from headlab.importance import HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE
-from headlab.pruning import trial
+from headlab.pruning import copy_model, prune, trial
+from headlab.recovery import TRAINING_FREE
+from headlab.recovery import recover as recover_model
 from headlab.selection import PrunePlan, heads_to_keep, select
 
 
@@ -73,6 +75,8 @@ def prune_to_target(
     score_kwargs: Mapping | None = None,
     on_step: Callable[[CurvePoint], None] | None = None,
     checkpoint: Checkpoint | None = None,
+    recover: str | None = None,
+    recover_kwargs: Mapping | None = None,
 ) -> ScheduleResult:
     """Score, mask and re-score down to ``n_keep`` heads; record held-out quality per step.
 
@@ -83,6 +87,12 @@ def prune_to_target(
     with the result's plan to remove the weights. With a ``checkpoint`` each finished
     step (and each scoring's progress) is saved, and a call with the same checkpoint
     resumes where the last one stopped.
+
+    ``recover`` (a training-free `headlab.recover` method, with ``recover_kwargs``):
+    after each step the heads chosen so far are removed from a copy of ``model`` and
+    the copy repaired toward ``model`` on ``scoring``; the step's quality is that of
+    the repaired copy, and the next scoring scores it. Each step's copy starts again
+    from ``model``, so the last step's is what `prune` then ``recover`` of the plan give.
     """
     if schedule not in ("iterative", "one-shot"):
         raise UserError(f"schedule must be 'iterative' or 'one-shot', got {schedule!r}")
@@ -92,20 +102,32 @@ def prune_to_target(
     if not 1 <= n_keep <= total:
         raise UserError(f"n_keep must be between 1 and {total} heads (the model has "
                         f"{total}), got {n_keep}")
+    if recover is not None and recover not in TRAINING_FREE:
+        raise UserError(f"recovery after each step takes a method that needs no training "
+                        f"({', '.join(TRAINING_FREE)}), got {recover!r}")
     kw = dict(score_kwargs or {})
     per_step = max(1, round(step * total))
-    key = f"prune/{method}"
+    key = f"prune/{method}" + (f"/recover-{recover}" if recover is not None else "")
+    current = model  # what is measured and scored: the masked model, or its repaired copy
 
     def measure(n_kept: int) -> CurvePoint:
-        q = evaluate(model, heldout, batch_size=batch_size)
+        q = evaluate(current, heldout, batch_size=batch_size)
         point = CurvePoint(round(1 - n_kept / total, 6), q.value, q.loss, n_kept)
         if on_step:
             on_step(point)
         return point
 
     def scored(i: int) -> HeadScores:  # the i-th scoring, under the current mask
-        return score(model, scoring, method=method, batch_size=batch_size, seed=seed + i,
+        return score(current, scoring, method=method, batch_size=batch_size, seed=seed + i,
                      checkpoint=checkpoint, checkpoint_key=f"{key}/score{i}", **kw)
+
+    def repaired(plan: PrunePlan) -> HeadModel:
+        if not any(plan.pruned.values()):
+            return model
+        copy = prune(copy_model(model), plan)
+        recover_model(copy, model, scoring, method=recover, batch_size=batch_size,
+               **dict(recover_kwargs or {}))
+        return copy
 
     def save(plan: PrunePlan) -> None:
         if checkpoint is not None:
@@ -122,6 +144,8 @@ def prune_to_target(
             curve = [CurvePoint.from_json(p) for p in saved["curve"]]
             step_scores = [HeadScores.from_json(j) for j in saved["step_scores"]]
             n_now = saved["n_now"]
+            if recover is not None and n_now > n_keep:  # the step's repaired copy, again
+                current = repaired(_plan_of(step_scores[0], masked))
         else:
             masked = {}
             n_now = sum(model.heads_per_layer)
@@ -135,7 +159,10 @@ def prune_to_target(
             # or rank lower (one-shot); decided once, applied on every rank
             plan = distributed.broadcast(select(step_scores[-1], n_now, per_layer=per_layer,
                                                 min_heads_per_layer=min_heads_per_layer))
-            model.mask_heads(plan.pruned)
+            if recover is None:
+                model.mask_heads(plan.pruned)
+            else:
+                current = repaired(plan)
             curve.append(measure(n_now))
             if schedule == "iterative" and n_now > n_keep:
                 step_scores.append(scored(len(step_scores)))
