@@ -274,6 +274,9 @@ def prune(
     limit: opt.LimitOpt = None,
     num_fewshot: opt.NumFewshotOpt = None,
     needle_lengths: opt.NeedleLengthsOpt = None,
+    recover_every_step: Annotated[bool, typer.Option(
+        help="Repair after each step too (bias, lsq, rescale), before re-scoring; the "
+             "curve shows the repaired quality.")] = False,
     quiet: opt.QuietOpt = False,
     json_mode: opt.JsonOpt = False,
     resume: opt.ResumeOpt = None,
@@ -295,7 +298,7 @@ def prune(
         global_minmax=global_minmax, per_token=per_token, probes=probes,
         recover=recover.value, recover_ridge=recover_ridge, recover_tokens=recover_tokens,
         recover_params=recover_params.value, recover_lr=recover_lr,
-        recover_temperature=recover_temperature,
+        recover_temperature=recover_temperature, recover_every_step=recover_every_step,
         unit=unit.value, group_score=group_score.value, kv_keep=kv_keep, demote=demote,
         sinks=sinks, window=window,
         **_protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len, eval_protocol,

@@ -19,7 +19,7 @@ from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS
 from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.protocol import PROTOCOLS
-from headlab.recovery import RECOVERY_METHODS
+from headlab.recovery import RECOVERY_METHODS, TRAINING_FREE
 from headlab.recovery.distill import PARAMS as RECOVER_PARAMS
 from headlab.schedule import UNITS
 from headlab.selection import GROUP_SCORES
@@ -82,6 +82,7 @@ class RunConfig:
     recover_params: str = "out"  # distill: what trains
     recover_lr: float = 1e-4  # distill
     recover_temperature: float = 1.0  # distill
+    recover_every_step: bool = False  # repair after each step too, before re-scoring
     sample_tokens: int = 64
     checkpoint_every: int = 10
     latency_batch: int = 4
@@ -182,6 +183,9 @@ class RunConfig:
                             f"{self.recover_tokens}")
         if self.recover_ridge is not None and self.recover_ridge < 0:
             raise UserError(f"--recover-ridge must be >= 0, got {self.recover_ridge}")
+        if self.recover_every_step and self.recover not in TRAINING_FREE:
+            raise UserError(f"--recover-every-step takes a --recover that needs no training "
+                            f"({', '.join(TRAINING_FREE)}), got {self.recover!r}")
         if not self.recover_lr > 0 or not self.recover_temperature > 0:
             raise UserError("--recover-lr and --recover-temperature must be > 0, got "
                             f"{self.recover_lr} and {self.recover_temperature}")

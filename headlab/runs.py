@@ -479,7 +479,9 @@ class _Stage:
             min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
             seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
             checkpoint=self.checkpoint, on_step=on_step, unit=cfg.unit,
-            group_score=cfg.group_score)
+            group_score=cfg.group_score,
+            **({"recover": cfg.recover, "recover_kwargs": self._recover_options()}
+               if cfg.recover_every_step else {}))
 
     def _recover_options(self) -> dict[str, Any]:
         """The options the run's recovery method takes: the ridge for the least-squares

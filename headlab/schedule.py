@@ -20,7 +20,9 @@ from headlab.evaluate import evaluate
 from headlab.importance import HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE
-from headlab.pruning import trial
+from headlab.pruning import copy_model, prune, trial
+from headlab.recovery import TRAINING_FREE
+from headlab.recovery import recover as recover_model
 from headlab.selection import PrunePlan, heads_to_keep, kv_groups, select, select_groups
 
 UNITS = ("head", "kv-group")  # what a schedule counts and removes: query heads or GQA groups
@@ -77,6 +79,8 @@ def prune_to_target(
     checkpoint: Checkpoint | None = None,
     unit: str = "head",
     group_score: str = "sum",
+    recover: str | None = None,
+    recover_kwargs: Mapping | None = None,
 ) -> ScheduleResult:
     """Score, mask and re-score down to ``n_keep`` heads; record held-out quality per step.
 
@@ -91,6 +95,12 @@ def prune_to_target(
     ``unit="kv-group"`` counts and removes whole GQA groups (`select_groups`, scored by
     ``group_score``): ``n_keep`` and ``step`` are then in groups, and the curve's
     fraction pruned is the fraction of groups (of key/value heads) gone.
+
+    ``recover`` (a training-free `headlab.recover` method, with ``recover_kwargs``):
+    after each step the heads chosen so far are removed from a copy of ``model`` and
+    the copy repaired toward ``model`` on ``scoring``; the step's quality is that of
+    the repaired copy, and the next scoring scores it. Each step's copy starts again
+    from ``model``, so the last step's is what `prune` then ``recover`` of the plan give.
     """
     if schedule not in ("iterative", "one-shot"):
         raise UserError(f"schedule must be 'iterative' or 'one-shot', got {schedule!r}")
@@ -105,9 +115,14 @@ def prune_to_target(
     if not 1 <= n_keep <= total:
         raise UserError(f"n_keep must be between 1 and {total} {what} (the model has "
                         f"{total}), got {n_keep}")
+    if recover is not None and recover not in TRAINING_FREE:
+        raise UserError(f"recovery after each step takes a method that needs no training "
+                        f"({', '.join(TRAINING_FREE)}), got {recover!r}")
     kw = dict(score_kwargs or {})
     per_step = max(1, round(step * total))
-    key = f"prune/{method}" if groups is None else f"prune/{method}/kv-group"
+    key = (f"prune/{method}" + ("/kv-group" if groups is not None else "")
+           + (f"/recover-{recover}" if recover is not None else ""))
+    current = model  # what is measured and scored: the masked model, or its repaired copy
 
     def choose(scores: HeadScores, n: int) -> PrunePlan:
         if groups is None:
@@ -116,16 +131,24 @@ def prune_to_target(
         return select_groups(scores, groups, n, per_layer=per_layer, group_score=group_score)
 
     def measure(n_kept: int) -> CurvePoint:
-        q = evaluate(model, heldout, batch_size=batch_size)
-        heads = n_kept if groups is None else sum(int((g != 0).sum()) for g in model.gates())
+        q = evaluate(current, heldout, batch_size=batch_size)
+        heads = n_kept if groups is None else sum(int((g != 0).sum()) for g in current.gates())
         point = CurvePoint(round(1 - n_kept / total, 6), q.value, q.loss, heads)
         if on_step:
             on_step(point)
         return point
 
     def scored(i: int) -> HeadScores:  # the i-th scoring, under the current mask
-        return score(model, scoring, method=method, batch_size=batch_size, seed=seed + i,
+        return score(current, scoring, method=method, batch_size=batch_size, seed=seed + i,
                      checkpoint=checkpoint, checkpoint_key=f"{key}/score{i}", **kw)
+
+    def repaired(plan: PrunePlan) -> HeadModel:
+        if not any(plan.pruned.values()):
+            return model
+        copy = prune(copy_model(model), plan)
+        recover_model(copy, model, scoring, method=recover, batch_size=batch_size,
+               **dict(recover_kwargs or {}))
+        return copy
 
     def save(plan: PrunePlan) -> None:
         if checkpoint is not None:
@@ -142,6 +165,8 @@ def prune_to_target(
             curve = [CurvePoint.from_json(p) for p in saved["curve"]]
             step_scores = [HeadScores.from_json(j) for j in saved["step_scores"]]
             n_now = saved["n_now"]
+            if recover is not None and n_now > n_keep:  # the step's repaired copy, again
+                current = repaired(_plan_of(step_scores[0], masked))
         else:
             masked = {}
             n_now = total if groups is not None else sum(model.heads_per_layer)
@@ -154,7 +179,10 @@ def prune_to_target(
             # each step's plan lists every head pruned so far: they score NaN (iterative)
             # or rank lower (one-shot); decided once, applied on every rank
             plan = distributed.broadcast(choose(step_scores[-1], n_now))
-            model.mask_heads(plan.pruned)
+            if recover is None:
+                model.mask_heads(plan.pruned)
+            else:
+                current = repaired(plan)
             curve.append(measure(n_now))
             if schedule == "iterative" and n_now > n_keep:
                 step_scores.append(scored(len(step_scores)))

@@ -83,7 +83,7 @@ _BAD = {
     "export": "onnx", "sample_tokens": 1, "checkpoint_every": 0, "latency_batch": 0,
     "latency_seq_len": 0, "model": "", "recover": "magic", "recover_ridge": -1.0,
     "recover_tokens": 0, "recover_params": "everything", "recover_lr": 0.0,
-    "recover_temperature": -1.0,
+    "recover_temperature": -1.0, "recover_every_step": "yes",
 }
 
 

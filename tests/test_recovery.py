@@ -14,6 +14,7 @@ Shape notation: N tokens, P unknowns per output, E model dim, H heads, D head di
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -29,7 +30,7 @@ from headlab.evaluate import evaluate
 from headlab.hooks import capture
 from headlab.models import bert, gpt2, llama
 from headlab.models.export import export_hf
-from headlab.pruning import copy_model
+from headlab.pruning import copy_model, prune
 from headlab.recovery import (
     DEFAULT_RIDGE,
     RECOVERY_METHODS,
@@ -38,6 +39,8 @@ from headlab.recovery import (
     solve_ridge,
 )
 from headlab.recovery.lsq import NormalEquations
+from headlab.schedule import prune_to_target
+from headlab.selection import select
 
 V = 96  # vocabulary
 # each layer loses heads; layer 1 of the Llama loses a whole GQA group (heads 3, 4, 5)
@@ -97,20 +100,47 @@ def _logits(model, blocks: Blocks) -> torch.Tensor:
 
 
 def _layer_activations(pruned, reference, blocks, layer, batch_size=8):
-    """X = [z, 1] of the pruned layer (N, H*D + 1) and Y, the reference layer's output
-    (N, E), over real tokens, captured through full forwards."""
-    xs, ys = [], []
+    """What lsq fits at ``layer``, captured again through full forwards, over real tokens
+    (float64): the attention's X = [z, 1] (N, H*D + 1) and Y = x_ref + attn_ref - x, the
+    output that makes the pruned residual sum after attention the reference's (x, x_ref
+    (N, E): the block inputs); the down projection's input A (N, F) and Y = mid_ref +
+    mlp_ref - mid, the output that makes the sum after the MLP the reference's."""
+    cols = {k: [] for k in ("x", "y", "act", "y_down")}
     for batch in blocks.batches(batch_size):
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        with capture(pruned, f"blocks.{layer}.attn.z") as cz, \
-                capture(reference, f"blocks.{layer}.attn.out") as cy, torch.no_grad():
+        seen = {}
+        with _block_taps(pruned, layer, "p", seen), _block_taps(reference, layer, "r", seen), \
+                torch.no_grad():
             pruned(ids, attention_mask=mask)
             reference(ids, attention_mask=mask)
         real = mask.bool()
-        z = cz[f"blocks.{layer}.attn.z"][real]  # (N, H, D)
-        xs.append(torch.cat([z.reshape(len(z), -1), torch.ones(len(z), 1)], dim=1))
-        ys.append(cy[f"blocks.{layer}.attn.out"][real])
-    return torch.cat(xs).double(), torch.cat(ys).double()
+        z = seen["p.z"][real]  # (N, H, D)
+        cols["x"].append(torch.cat([z.reshape(len(z), -1), torch.ones(len(z), 1)], dim=1))
+        cols["y"].append((seen["r.pre"] + seen["r.out"] - seen["p.pre"])[real])
+        cols["act"].append(seen["p.act"][real])
+        cols["y_down"].append((seen["r.mid"] + seen["r.mlp"] - seen["p.mid"])[real])
+    return {k: torch.cat(v).double() for k, v in cols.items()}
+
+
+@contextlib.contextmanager
+def _block_taps(model, layer, tag, seen):
+    """Keep block ``layer``'s input, z, attention output, residual after attention,
+    MLP output and down-projection input as ``seen[f"{tag}.<name>"]``."""
+    block = model.blocks[layer]
+    down = block.mlp.get_submodule(model.mlp_down.split(".", 1)[1])
+    handles = [
+        block.mlp.register_forward_hook(lambda m, a, out: seen.__setitem__(f"{tag}.mlp", out)),
+        down.register_forward_pre_hook(lambda m, a: seen.__setitem__(f"{tag}.act", a[0])),
+    ]
+    names = {"resid_pre": "pre", "attn.z": "z", "attn.out": "out", "resid_mid": "mid"}
+    try:
+        with capture(model, [f"blocks.{layer}.{n}" for n in names]) as cap:
+            yield
+        for n, short in names.items():
+            seen[f"{tag}.{short}"] = cap[f"blocks.{layer}.{n}"]
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _relative(a, b) -> float:
@@ -150,16 +180,19 @@ def test_rank_deficient_ridge_zero_falls_back_to_least_squares():
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_lsq_fit_equals_numpy_lstsq_on_the_activations_it_saw(family):
-    """Each layer's W_O and bias are numpy's lstsq of Y on X = [z, 1], with X from the
-    pruned model after its earlier layers were repaired and Y from the reference."""
+def test_lsq_fits_equal_numpy_lstsq_on_the_activations_they_saw(family):
+    """Each layer's W_O and bias are numpy's lstsq of Y on X = [z, 1], and its MLP down
+    projection (and bias, GPT-2's) numpy's lstsq of the MLP's target on its inputs, with
+    X from the pruned model after its earlier layers (and this layer's attention) were
+    repaired and Y from the reference (see `_layer_activations`)."""
     build, plan = MODELS[family]
     reference, blocks = build(), _blocks()
     model = _pruned(reference, plan)
     recover(model, reference, blocks, method="lsq", ridge=0.0)
     for layer, attn in enumerate(model.attentions):
         # z of layer i depends on the repaired layers < i and on its own Q, K, V only
-        x, y = _layer_activations(model, reference, blocks, layer)
+        fit = _layer_activations(model, reference, blocks, layer)
+        x, y = fit["x"], fit["y"]
         assert x.shape[0] > x.shape[1]  # full rank: more tokens than unknowns
         expected = np.linalg.lstsq(x.numpy(), y.numpy(), rcond=None)[0]  # (H*D + 1, E)
         eq = NormalEquations(x.shape[1], y.shape[1], torch.device("cpu"))
@@ -170,6 +203,16 @@ def test_lsq_fit_equals_numpy_lstsq_on_the_activations_it_saw(family):
         # the model holds it in float32
         written = torch.cat([attn.o_proj.weight.T, attn.o_proj.bias[None]]).double()
         assert _relative(written.detach().numpy(), expected) < 1e-5
+
+        down = model.blocks[layer].mlp.get_submodule(model.mlp_down.split(".", 1)[1])
+        act = fit["act"]
+        if down.bias is not None:
+            act = torch.cat([act, torch.ones(len(act), 1, dtype=act.dtype)], dim=1)
+        assert act.shape[0] > act.shape[1]
+        expected = np.linalg.lstsq(act.numpy(), fit["y_down"].numpy(), rcond=None)[0]
+        written = down.weight.T if down.bias is None else torch.cat(
+            [down.weight.T, down.bias[None]])
+        assert _relative(written.detach().double().numpy(), expected) < 1e-5
 
 
 # ---------------------------------------------------------------------- invariants
@@ -298,17 +341,19 @@ def test_bad_arguments_are_user_errors():
 
 @pytest.mark.parametrize("method", ["bias", "lsq", "rescale"])
 def test_nan_activations_name_the_layer_and_leave_the_model_unchanged(method):
-    """A NaN in the reference's first MLP reaches layer 1's activations: the walk has
-    already repaired layer 0 when layer 1's fit fails, and must put it back."""
+    """A NaN in the reference's second input norm reaches layer 1's activations: the
+    walk has already repaired layer 0 (its W_O and, lsq, its MLP's down projection)
+    when layer 1's fit fails, and must put it back."""
     reference, blocks = _llama(), _blocks()
     model = _pruned(reference, LLAMA_PLAN)
     with torch.no_grad():
-        reference.blocks[0].mlp.down_proj.weight[0, 0] = float("nan")
+        reference.blocks[1].input_layernorm.weight[0] = float("nan")
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    projections = [a.o_proj for a in model.attentions]
+    projections = [a.o_proj for a in model.attentions] + [b.mlp.down_proj for b in model.blocks]
     with pytest.raises(UserError, match="layer 1"):
         recover(model, reference, blocks, method=method)
-    assert [a.o_proj for a in model.attentions] == projections
+    assert [a.o_proj for a in model.attentions] + [b.mlp.down_proj
+                                                   for b in model.blocks] == projections
     after = model.state_dict()
     assert sorted(after) == sorted(state)
     for k, v in state.items():
@@ -352,3 +397,41 @@ def test_distill_starts_from_lsq_and_reports_it():
     assert [e.layer for e in report.layers] == [0, 1, 2]
     assert all(a.o_proj.bias is not None for a in model.attentions)  # lsq gave biases
     json.dumps(report.to_json())
+
+
+# ---------------------------------------------------------------------- after each step
+def test_recovery_after_each_step_scores_and_measures_the_repaired_model():
+    """With ``recover``, each step's quality is that of the pruned copy repaired toward
+    the unpruned model, and the next step scores that copy: the first re-scoring
+    equals michel on the copy repaired after step one, which differs from michel on the
+    masked model; the last point is what prune, then recover of the plan give."""
+    reference = _llama(initializer_range=0.1)
+    scoring, heldout = _sampled(reference, 24, 16, 0), _sampled(reference, 24, 16, 1)
+    kw = dict(n_keep=10, step=0.25, batch_size=8)  # 18 heads -> 14 -> 10: two steps
+    plain = prune_to_target(reference, scoring, heldout, **kw)
+    ours = prune_to_target(reference, scoring, heldout, recover="lsq", **kw)
+    assert [p.heads_kept for p in ours.curve] == [18, 14, 10]
+    assert ours.curve[0] == plain.curve[0]
+    assert ours.step_scores[0].scores == plain.step_scores[0].scores
+
+    first = _pruned(reference, select(ours.step_scores[0], 14).pruned)
+    recover(first, reference, scoring, method="lsq")
+    assert ours.curve[1].loss == pytest.approx(evaluate(first, heldout).loss, rel=1e-6)
+    assert ours.curve[1].loss < plain.curve[1].loss
+    rescored = headlab.score(first, scoring, batch_size=8, seed=1).tensor()
+    assert_close(ours.step_scores[1].tensor(), rescored, rtol=1e-6, atol=1e-9, equal_nan=True)
+    masked = plain.step_scores[1].tensor()
+    assert not torch.allclose(rescored.nan_to_num(), masked.nan_to_num(), rtol=1e-3)
+
+    last = prune(copy_model(reference), ours.plan)
+    recover(last, reference, scoring, method="lsq")
+    assert ours.curve[-1].loss == pytest.approx(evaluate(last, heldout).loss, rel=1e-6)
+    # the unpruned model is left as it came
+    assert_close(_logits(reference, heldout), _logits(_llama(initializer_range=0.1), heldout),
+                 rtol=0, atol=0)
+
+
+def test_recovery_after_each_step_takes_a_training_free_method():
+    reference, blocks = _llama(), _blocks()
+    with pytest.raises(UserError, match="no training"):
+        prune_to_target(reference, blocks, blocks, n_keep=9, recover="distill")

@@ -106,3 +106,34 @@ def test_resume_of_complete_run_is_refused(tiny_gpt2_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     r = _run("score", "--resume", str(out))
     assert r.returncode == 2 and "nothing to resume" in r.stderr
+
+
+def test_killed_distillation_resumes_to_identical_run(tiny_gpt2_dir, tmp_path):
+    """SIGKILL during ``--recover distill`` (after lsq, mid-training) and ``--resume``:
+    the same repaired model, quality and distillation losses as an uninterrupted run."""
+    full = tmp_path / "full"
+    cut = tmp_path / "cut"
+    keys = dict(command="prune", method="michel", keep=0.5, step=0.5, recover="distill",
+                recover_params="attention", recover_tokens=8 * 2048, recover_lr=1e-3,
+                **COMMON)
+    r = _run("run", str(_recipe(tmp_path, tiny_gpt2_dir, "full", out=str(full), **keys)), "-q")
+    assert r.returncode == 0, r.stderr
+    recipe = _recipe(tmp_path, tiny_gpt2_dir, "cut", out=str(cut), **keys)
+    _kill_when(cut, lambda s: s.get("recover/distill", {}).get("step", 0) >= 4,
+               "run", str(recipe), "-q")
+    assert not (cut / "results.json").exists()
+    r = _run("prune", "--resume", str(cut), "-q")
+    assert r.returncode == 0, r.stderr
+    a = json.loads((full / "results.json").read_text())
+    b = json.loads((cut / "results.json").read_text())
+    assert a["recovery"]["options"]["steps"] > 4
+    for key in ("kept_heads", "curve", "quality"):
+        assert a[key] == b[key], key
+    assert a["recovery"]["options"] == b["recovery"]["options"]
+    assert a["recovery"]["layers"] == b["recovery"]["layers"]
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(str(d / "model" / "model.safetensors")) for d in (full, cut))
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k

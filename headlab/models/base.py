@@ -92,6 +92,8 @@ class HeadModel(nn.Module):
 
     family: ClassVar[str] = ""
     causal: ClassVar[bool] = False  # whether a query attends only to itself and the past
+    # each block's MLP down projection (F -> E), relative to the block: recovery refits it
+    mlp_down: ClassVar[str | None] = None
     config_class: ClassVar[type[FamilyConfig]]
     # why pruned models of this family have no Hugging Face export (see models.export);
     # a family that has one sets None and defines to_hf(self) -> (config, state dict)

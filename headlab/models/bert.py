@@ -158,6 +158,7 @@ class Bert(HeadModel):
     """BERT encoder with an MLM head, a sequence classifier, or pooled embeddings."""
 
     family = "bert"
+    mlp_down = "mlp.proj"
     config_class = BertConfig
     # why `--export hf` keeps the headlab format (headlab.models.export): a pruned layer
     # has fewer heads of the same size, which the HF config cannot say

@@ -106,6 +106,7 @@ class GPT2(DecoderLM):
     """GPT-2 causal language model: ``forward`` returns logits (B, S, V)."""
 
     family = "gpt2"
+    mlp_down = "mlp.proj"
     config_class = GPT2Config
     # why `--export hf` keeps the headlab format (headlab.models.export): a pruned layer
     # has fewer heads of the same size, which the HF config cannot say

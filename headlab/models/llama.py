@@ -247,6 +247,7 @@ class Llama(DecoderLM):
     """Llama-family causal language model: ``forward`` returns logits (B, S, V)."""
 
     family = "llama"
+    mlp_down = "mlp.down_proj"
     config_class = LlamaConfig
 
     def __init__(self, config: LlamaConfig, layout: list[list[int]] | None = None) -> None:

@@ -24,14 +24,21 @@ from headlab.data import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.recovery.bias import BiasCompensation
-from headlab.recovery.layerwise import MakeFit, repair
-from headlab.recovery.lsq import DEFAULT_RIDGE, LeastSquares, Rescale, solve_ridge
+from headlab.recovery.layerwise import MakeFit, refitted, repair
+from headlab.recovery.lsq import (
+    DEFAULT_RIDGE,
+    DownProjection,
+    LeastSquares,
+    Rescale,
+    solve_ridge,
+)
 from headlab.recovery.report import LayerError, RecoveryReport
 
-__all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "LayerError", "RecoveryReport", "recover",
-           "solve_ridge"]
+__all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "TRAINING_FREE", "LayerError",
+           "RecoveryReport", "recover", "solve_ridge"]
 
 RECOVERY_METHODS = ("none", "bias", "lsq", "rescale", "distill")
+TRAINING_FREE = ("bias", "lsq", "rescale")  # the ones a schedule can run after each step
 _RIDGE_METHODS = ("lsq", "rescale")
 
 
@@ -76,8 +83,10 @@ def recover(
         raise UserError(f"{blocks.spec}: no scoring tokens to recover on")
 
     start = time.perf_counter()
+    lsq = method == "lsq"
     layers = repair(pruned, reference, blocks, make_fit=_make_fit(method, ridge),
-                    batch_size=batch_size, method=method)
+                    batch_size=batch_size, method=method, residual=lsq,
+                    make_down=(lambda lin: DownProjection(lin, ridge=ridge)) if lsq else None)
     return RecoveryReport(method, {} if ridge is None else {"ridge": ridge}, blocks.n_tokens,
                           time.perf_counter() - start, layers)
 
@@ -90,15 +99,16 @@ def _distill(pruned, reference, blocks, *, batch_size: int, ridge: float | None,
     if start not in ("lsq", "none"):
         raise UserError(f"distill starts from 'lsq' or 'none', got start={start!r}")
     begin = time.perf_counter()
-    # lsq replaces W_O modules and never writes into them: these put its fit back
-    originals = [a.o_proj for a in pruned.attentions]
+    # lsq replaces the projections it refits and never writes into them: these put
+    # its fit back
+    originals = refitted(pruned)
     first = (recover(pruned, reference, blocks, method="lsq", batch_size=batch_size,
                      ridge=ridge) if start == "lsq" else None)
     try:
         summary = distill(pruned, reference, blocks, batch_size=batch_size, **options)
     except BaseException:
-        for attn, o_proj in zip(pruned.attentions, originals, strict=True):
-            attn.o_proj = o_proj
+        for owner, name, module in originals:
+            setattr(owner, name, module)
         raise
     plain = {k: v for k, v in summary.items() if k not in ("method", "tokens", "seconds")
              and (v is None or isinstance(v, (bool, int, float, str)))}

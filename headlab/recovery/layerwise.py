@@ -4,24 +4,35 @@ Two streams of hidden states are kept, one entry per scoring batch: the referenc
 model's own and the pruned model's own (its earlier layers already repaired). At
 layer i the walk
 
-  1. runs the reference's block i on its stream, keeping the attention output Y
-     (B, S, E) and showing the fit the reference's per-head outputs z_ref;
-  2. runs the pruned layer's attention sublayer alone on its stream, showing the fit
-     the pruned per-head outputs z with Y, and measuring the error before the repair
-     (``none``, with nothing to fit, skips this);
-  3. asks the fit for the layer's new W_O (E, H*D) and bias (E,), and installs them;
-  4. advances the pruned stream by its repaired block, measuring the error after.
+  1. runs the reference's block i on its stream, keeping its residual sums: after
+     attention, x_ref + attn_ref(x_ref), and after the MLP, mid_ref + mlp_ref(mid_ref)
+     (the values before any post-norm; in a pre-norm block, the residual stream);
+  2. runs the pruned layer's attention sublayer alone on its stream x, showing the fit
+     the pruned per-head outputs z with its target Y (and the reference's per-head
+     outputs, for bias compensation), and installs the new W_O (E, H*D) and bias (E,);
+  3. with ``down`` (lsq), runs the pruned block with that attention output (z through
+     the new W_O) and refits the MLP's down projection so that the block's residual
+     sum after the MLP matches the reference's (`headlab.recovery.lsq.DownProjection`);
+  4. advances the pruned stream by the block, its sublayers answering with the outputs
+     computed in 2 and 3 (the norms and residual sums around them are the block's own).
 
-Each block runs once per stream and each pruned attention once more: about two
-forwards without the output head, where a full pass per layer would cost L of them.
-The streams and one layer's Y take N x E values each (N scoring tokens).
+The target Y of the attention output is, with ``residual`` (lsq), what makes the
+pruned residual sum equal the reference's: Y = x_ref + attn_ref(x_ref) - x. So each
+layer also corrects the drift that the earlier layers left in the stream (Kwon et al.
+2022 reconstruct a layer's output with its residual). Without it (bias, rescale), Y is
+the reference's attention output alone.
+
+Each block runs once per stream, and the pruned block's attention and MLP once more
+each: about two forwards without the output head, where a full pass per layer would
+cost L of them. The streams and one layer's targets take N x E values each (N
+scoring tokens); with ``down`` one layer's MLP activations N x F are kept too.
 
 Fits see real tokens only (attention_mask), flattened: z (N, H, D), y (N, E).
 A layer that already reproduces the reference exactly (error 0) is left as it is.
 The errors are ``||Y_hat - Y||^2 / ||Y||^2`` over real tokens, in float64.
 
-Every layer's W_O is replaced, not written into: on any failure, a non-finite fit
-included, the original modules are put back and the model is as it came.
+Every refitted projection is replaced, not written into: on any failure, a non-finite
+fit included, the original modules are put back and the model is as it came.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ class LayerFit:
 
     def pruned(self, z: torch.Tensor, y: torch.Tensor) -> None:
         """z (N, H, D): the pruned layer's gated per-head outputs on the pruned stream;
-        y (N, E): the reference's attention output it should match."""
+        y (N, E): the attention output it should give there."""
 
     def solve(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The new (W_O (E, H*D), bias (E,) or None to keep the bias), or None to leave
@@ -61,8 +72,24 @@ class LayerFit:
         return None
 
 
+class DownFit:
+    """A refit of one block's MLP down projection (F -> E), shown every scoring batch."""
+
+    linear: nn.Linear
+
+    def add(self, act: torch.Tensor, y: torch.Tensor, y_hat: torch.Tensor) -> None:
+        """act (N, F): the down projection's input; y (N, E): the output it should give;
+        y_hat (N, E): the output it gives now."""
+
+    def solve(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The new (weight (E, F), bias (E,) or None), or None to leave it."""
+        return None
+
+
 # (layer, reference attention, pruned attention) -> the layer's fit, or None: report only
 MakeFit = Callable[[int, MultiHeadAttention, MultiHeadAttention], LayerFit | None]
+# the down projection's module -> its fit
+MakeDown = Callable[[nn.Linear], DownFit]
 
 
 def check_pair(pruned: HeadModel, reference: HeadModel) -> None:
@@ -89,79 +116,233 @@ def check_pair(pruned: HeadModel, reference: HeadModel) -> None:
 
 @torch.no_grad()
 def repair(pruned: HeadModel, reference: HeadModel, blocks: Blocks, *, make_fit: MakeFit,
-           batch_size: int, method: str) -> list[LayerError]:
-    """Walk the layers in order (see the module docstring); return their errors."""
+           batch_size: int, method: str, residual: bool = False,
+           make_down: MakeDown | None = None) -> list[LayerError]:
+    """Walk the layers in order (see the module docstring); return their errors.
+    ``make_down`` is ignored for a family that does not name its MLP's down projection
+    (`HeadModel.mlp_down`)."""
     check_pair(pruned, reference)
+    if pruned.mlp_down is None:
+        make_down = None
     modes = (pruned.training, reference.training)
     pruned.eval()
     reference.eval()
-    replaced: dict[int, nn.Linear] = {}  # layer -> its W_O as it came
+    replaced: list[tuple[nn.Module, str, nn.Linear]] = []  # (owner, name, as it came)
     try:
-        return _walk(pruned, reference, blocks, make_fit, batch_size, method, replaced)
+        walk = _Walk(pruned, reference, blocks, batch_size, method, replaced)
+        return walk.run(make_fit, residual, make_down)
     except BaseException:
-        for i, original in replaced.items():
-            pruned.attentions[i].o_proj = original
+        for owner, name, original in reversed(replaced):
+            setattr(owner, name, original)
         raise
     finally:
         pruned.train(modes[0])
         reference.train(modes[1])
 
 
-def _walk(pruned, reference, blocks, make_fit, batch_size, method, replaced):
-    device = pruned.device
-    batches = [(b["input_ids"].to(device), b["attention_mask"].to(device))
-               for b in blocks.batches(batch_size)]
-    real = [mask.bool() for _, mask in batches]  # (B, S) each
-    ref_in = [reference.block_inputs(ids, mask) for ids, mask in batches]
-    pruned_in = [pruned.block_inputs(ids, mask) for ids, mask in batches]
-    ref_h = [x.hidden for x in ref_in]  # (B, S, E) each: the reference's stream
-    pruned_h = [x.hidden for x in pruned_in]  # the pruned model's own stream
-    records = []
-    layers = range(pruned.n_layers)
-    for i in track(layers, total=len(layers), description=f"recovery ({method}) by layer"):
-        ref_attn, attn = reference.attentions[i], pruned.attentions[i]
-        fit = make_fit(i, ref_attn, attn)
-        targets = []  # Y per batch (B, S, E)
-        for b, x in enumerate(ref_in):
-            with _tap(reference, i) as seen:
-                ref_h[b] = x.block(i, ref_h[b])
-            targets.append(seen["out"])
+class _Walk:
+    def __init__(self, pruned, reference, blocks, batch_size, method, replaced) -> None:
+        device = pruned.device
+        batches = [(b["input_ids"].to(device), b["attention_mask"].to(device))
+                   for b in blocks.batches(batch_size)]
+        self.pruned, self.reference, self.method = pruned, reference, method
+        self.replaced = replaced
+        self.real = [mask.bool() for _, mask in batches]  # (B, S) each
+        self.ref_in = [reference.block_inputs(ids, mask) for ids, mask in batches]
+        self.pruned_in = [pruned.block_inputs(ids, mask) for ids, mask in batches]
+        self.ref_h = [x.hidden for x in self.ref_in]  # (B, S, E) each: reference stream
+        self.pruned_h = [x.hidden for x in self.pruned_in]  # the pruned model's own
+
+    def run(self, make_fit: MakeFit, residual: bool, make_down: MakeDown | None):
+        records = []
+        layers = range(self.pruned.n_layers)
+        for i in track(layers, total=len(layers),
+                       description=f"recovery ({self.method}) by layer"):
+            fit = make_fit(i, self.reference.attentions[i], self.pruned.attentions[i])
+            down = make_down(_down(self.pruned, i)) if make_down is not None else None
+            attn_refs, mlp_refs = self._reference(i, fit, mlp=down is not None)
+            # Y = attn_ref + (x_ref - x): the pruned sum matches the reference's; where the
+            # streams agree, Y is the reference's output exactly
+            targets = [y + (h_ref - h[r]) if residual else y
+                       for (y, h_ref), h, r in zip(attn_refs, self.pruned_h, self.real,
+                                                   strict=True)]
+            attn_out, before = self._fit_attention(i, fit, targets)
+            after = _Error()
+            for b, out in enumerate(attn_out):
+                after.add(out[self.real[b]], targets[b])
+            mlp_out, mlp_errors = (self._fit_down(i, down, attn_out, mlp_refs)
+                                   if down is not None else (None, (None, None)))
+            # the repaired block's output, its sublayers' outputs as just computed
+            for b, x in enumerate(self.pruned_in):
+                with _fixed(self.pruned, i, attn_out[b], None if mlp_out is None
+                            else mlp_out[b]):
+                    self.pruned_h[b] = x.block(i, self.pruned_h[b])
+            records.append(LayerError(i, after.value if before is None else before.value,
+                                      after.value, *mlp_errors))
+        return records
+
+    def _reference(self, i: int, fit: LayerFit | None, *, mlp: bool):
+        """Advance the reference stream by block i; return per batch, over real tokens,
+        (attention output, block input) and, with ``mlp``, (MLP output, its residual
+        after attention), each (N, E)."""
+        ref_attn = self.reference.attentions[i]
+        attn_refs, mlp_refs = [], []
+        for b, x in enumerate(self.ref_in):
+            r = self.real[b]
+            with _tap(self.reference, i, mlp=mlp) as seen:
+                h_in = self.ref_h[b]
+                self.ref_h[b] = x.block(i, h_in)
+            attn_refs.append((seen["out"][r], h_in[r]))
+            if mlp:
+                mlp_refs.append((seen["mlp"][r], seen["mid"][r]))
             if fit is not None:
-                fit.reference(_z(seen, ref_attn, real[b]), seen["out"][real[b]])
+                fit.reference(_z(seen, ref_attn, r), seen["out"][r])
+        return attn_refs, mlp_refs
 
+    def _fit_attention(self, i: int, fit: LayerFit | None, targets):
+        """Run the pruned attention sublayer on its stream, show the fit its activations
+        and install its solution; return the attention's outputs after (B, S, E) per
+        batch, computed from its z by the new W_O, and the error before (None: no fit)."""
+        attn = self.pruned.attentions[i]
         before = _Error()
-        if fit is not None:  # the attention sublayer alone: the fit's activations
-            for b, x in enumerate(pruned_in):
-                with _tap(pruned, i) as seen:
-                    out = x.attention(i, pruned_h[b])  # (B, S, E)
-                y = targets[b][real[b]]  # (N, E)
-                before.add(out[real[b]], y)
-                fit.pruned(_z(seen, attn, real[b]), y)
+        zs = []
+        for b, x in enumerate(self.pruned_in):
+            with _tap(self.pruned, i) as seen:
+                out = x.attention(i, self.pruned_h[b])  # (B, S, E)
+            zs.append(seen.get("z"))
+            if fit is not None:
+                r = self.real[b]
+                before.add(out[r], targets[b])
+                fit.pruned(_z(seen, attn, r), targets[b])
+        if fit is not None and before.diff != 0:
+            new = _solve(fit, i, self.method)
+            if new is not None:
+                self._install(attn, "o_proj", *new)
+        outs = []
+        for b, z in enumerate(zs):
+            h = self.pruned_h[b]
+            if z is None:  # no head left: W_O takes nothing, its bias is the output
+                z = h.new_zeros(*h.shape[:2], 0, attn.head_dim)
+            outs.append(attn.o_proj(z.reshape(*z.shape[:2], -1)))  # (B, S, E)
+        return outs, (before if fit is not None else None)
 
-        new = _solve(fit, i, method) if fit is not None and before.diff != 0 else None
+    def _fit_down(self, i: int, down: DownFit, attn_out, mlp_refs):
+        """Refit block i's down projection on the pruned stream, its attention repaired;
+        return the MLP's outputs after (B, S, E) per batch, and the errors before, after."""
+        before, after = _Error(), _Error()
+        acts, ys = [], []
+        for b, x in enumerate(self.pruned_in):
+            with _fixed(self.pruned, i, attn_out[b], None), \
+                    _tap(self.pruned, i, attn=False, mlp=True) as seen:
+                x.block(i, self.pruned_h[b])
+            r = self.real[b]
+            m_ref, mid_ref = mlp_refs[b]
+            y = m_ref + (mid_ref - seen["mid"][r])  # (N, E): the sums after the MLP agree
+            before.add(seen["mlp"][r], y)
+            down.add(seen["act"][r], y, seen["mlp"][r])
+            acts.append(seen["act"])
+            ys.append(y)
+        new = _solve(down, i, self.method) if before.diff != 0 else None
         if new is not None:
-            replaced[i] = _install(attn, *new)
-        after = _Error()
-        for b, x in enumerate(pruned_in):
-            with _tap(pruned, i) as seen:
-                pruned_h[b] = x.block(i, pruned_h[b])
-            after.add(seen["out"][real[b]], targets[b][real[b]])
-        if fit is None:  # nothing changed: one measurement is both
-            before = after
-        records.append(LayerError(i, before.value, after.value))
-    return records
+            owner, name = _down_owner(self.pruned, i)
+            self._install(owner, name, *new)
+        linear = _down(self.pruned, i)
+        outs = [linear(act) for act in acts]  # the down projection ends the MLP
+        for b, out in enumerate(outs):
+            after.add(out[self.real[b]], ys[b])
+        return outs, (before.value, after.value)
+
+    def _install(self, owner: nn.Module, name: str, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        """Put a copy of ``owner.name`` holding the new weight (and bias) in place."""
+        original = getattr(owner, name)
+        new = copy.deepcopy(original)
+        setattr(owner, name, new)
+        self.replaced.append((owner, name, original))
+        new.weight.copy_(weight)
+        if bias is not None:
+            if isinstance(owner, MultiHeadAttention):
+                owner.ensure_out_bias().copy_(bias)
+            else:
+                new.bias.copy_(bias)
+
+
+class _Output(nn.Module):
+    """Stands in for a block's sublayer: returns the output it was given, computed
+    already, whatever it is called with."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.out
 
 
 @contextlib.contextmanager
-def _tap(model: HeadModel, layer: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Keep the layer's z (B, S, H, D) and attention output (B, S, E) of the next call."""
+def _fixed(model: HeadModel, i: int, attn_out: torch.Tensor,
+           mlp_out: torch.Tensor | None) -> Iterator[None]:
+    """Block i with its attention (and MLP, if given) answering with these outputs
+    (B, S, E): the residual sums and norms around them are the block's own."""
+    block = model.blocks[i]
+    attn, mlp = block.attn, block.mlp
+    block.attn = _Output(attn_out)
+    if mlp_out is not None:
+        block.mlp = _Output(mlp_out)
+    try:
+        yield
+    finally:
+        block.attn, block.mlp = attn, mlp
+
+
+def _down(model: HeadModel, i: int) -> nn.Linear:
+    owner, name = _down_owner(model, i)
+    return getattr(owner, name)
+
+
+def refitted(model: HeadModel) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(owner, name, module) of every projection a walk may replace: each W_O and, where
+    the family names it, each MLP down projection. Setting them back undoes a walk."""
+    found = [(a, "o_proj", a.o_proj) for a in model.attentions]
+    if model.mlp_down is not None:
+        for i in range(model.n_layers):
+            owner, name = _down_owner(model, i)
+            found.append((owner, name, getattr(owner, name)))
+    return found
+
+
+def _down_owner(model: HeadModel, i: int) -> tuple[nn.Module, str]:
+    """The module holding block i's MLP down projection, and its attribute name."""
+    path, name = model.mlp_down.rsplit(".", 1)
+    return model.blocks[i].get_submodule(path), name
+
+
+@contextlib.contextmanager
+def _tap(model: HeadModel, layer: int, *, attn: bool = True,
+         mlp: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """Keep the layer's z (B, S, H, D) and attention output (B, S, E) of the next call
+    (unless not ``attn``); with ``mlp`` its residual after attention ``mid`` (B, S, E),
+    the MLP's output ``mlp`` (B, S, E) and the down projection's input ``act`` (B, S, F)."""
     seen: dict[str, torch.Tensor] = {}
 
     def keep(t: torch.Tensor, name: str) -> None:
         seen[name.rsplit(".", 1)[-1]] = t
 
-    with hooks(model, {f"blocks.{layer}.attn.z": keep, f"blocks.{layer}.attn.out": keep}):
-        yield seen
+    names = {f"blocks.{layer}.attn.z": keep, f"blocks.{layer}.attn.out": keep} if attn else {}
+    handles = []
+    if mlp:
+        names[f"blocks.{layer}.resid_mid"] = lambda t, name: seen.__setitem__("mid", t)
+        block = model.blocks[layer]
+        handles.append(block.mlp.register_forward_hook(
+            lambda _m, _args, out: seen.__setitem__("mlp", out)))
+        handles.append(_down(model, layer).register_forward_pre_hook(
+            lambda _m, args: seen.__setitem__("act", args[0])))
+    try:
+        with hooks(model, names):
+            yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _z(seen: dict[str, torch.Tensor], attn: MultiHeadAttention, real: torch.Tensor):
@@ -172,7 +353,7 @@ def _z(seen: dict[str, torch.Tensor], attn: MultiHeadAttention, real: torch.Tens
     return out.new_zeros(int(real.sum()), 0, attn.head_dim)
 
 
-def _solve(fit: LayerFit, layer: int, method: str):
+def _solve(fit: LayerFit | DownFit, layer: int, method: str):
     """The fit's new weights, checked finite; a UserError naming the layer if not."""
     try:
         new = fit.solve()
@@ -189,17 +370,6 @@ def _not_finite(method: str, layer: int, detail: str) -> UserError:
         "scoring data or the model's weights are not finite there (check the checkpoint "
         "and try --dtype float32); the model is left as it was"
     )
-
-
-def _install(attn: MultiHeadAttention, weight: torch.Tensor,
-             bias: torch.Tensor | None) -> nn.Linear:
-    """Put a copy of W_O holding the new weight (and bias) in place; return the old one."""
-    original = attn.o_proj
-    attn.o_proj = copy.deepcopy(original)
-    attn.o_proj.weight.copy_(weight)
-    if bias is not None:
-        attn.ensure_out_bias().copy_(bias)
-    return original
 
 
 class _Error:

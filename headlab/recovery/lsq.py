@@ -24,9 +24,10 @@ the weights as they were. Solved by Cholesky, by least squares if that fails.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from headlab.attention import MultiHeadAttention
-from headlab.recovery.layerwise import LayerFit
+from headlab.recovery.layerwise import DownFit, LayerFit
 
 DEFAULT_RIDGE = 0.3  # measured on both bundled models: README, "Prune and repair"
 
@@ -45,8 +46,8 @@ class NormalEquations:
         """x (N, P), y (N, E)."""
         x = x.to(self.xtx.device, torch.float64)
         y = y.to(self.xtx.device, torch.float64)
-        self.xtx.addmm_(x.T, x)
-        self.xty.addmm_(x.T, y)
+        self.xtx += x.T @ x
+        self.xty += x.T @ y
         self.rows += x.shape[0]
 
 
@@ -121,3 +122,30 @@ class Rescale(LeastSquares):
         ones = torch.ones(H, 1, dtype=gram.dtype, device=gram.device)
         scale = solve_ridge(gram, rhs[:, None], ones, self.ridge)[:, 0]  # (H,)
         return (w.view(-1, H, D) * scale[None, :, None]).reshape(-1, F), None
+
+
+class DownProjection(DownFit):
+    """``lsq``'s second fit in each block: the MLP's down projection (E x F) and its
+    bias (where it has one), refitted on the MLP's inputs on the pruned stream (its
+    attention already repaired) so that the block's residual sum after the MLP matches
+    the reference's. Same ridge toward the current weights as the attention fit."""
+
+    def __init__(self, linear: nn.Linear, *, ridge: float) -> None:
+        self.linear, self.ridge = linear, ridge
+        self.bias = linear.bias is not None
+        w = linear.weight
+        self.eq = NormalEquations(w.shape[1] + self.bias, w.shape[0], w.device)
+
+    def add(self, act: torch.Tensor, y: torch.Tensor, y_hat: torch.Tensor) -> None:
+        x = torch.cat([act, act.new_ones(act.shape[0], 1)], dim=1) if self.bias else act
+        self.eq.add(x, y)
+
+    def solve(self):
+        w = self.linear.weight.detach().to(self.eq.xtx.device, torch.float64)  # (E, F)
+        w0 = w.T
+        if self.bias:
+            w0 = torch.cat([w0, self.linear.bias.detach().to(w0)[None]], dim=0)
+        fitted = solve_ridge(self.eq.xtx, self.eq.xty, w0, self.ridge)
+        if self.bias:
+            return fitted[:-1].T, fitted[-1]
+        return fitted.T, None

@@ -16,14 +16,22 @@ class LayerError:
     layer: int
     error_before: float
     error_after: float
+    mlp_error_before: float | None = None  # the MLP's, where its down projection is refitted
+    mlp_error_after: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"layer": self.layer, "error_before": _finite(self.error_before),
-                "error_after": _finite(self.error_after)}
+        d = {"layer": self.layer, "error_before": _finite(self.error_before),
+             "error_after": _finite(self.error_after)}
+        if self.mlp_error_before is not None:
+            d["mlp_error_before"] = _finite(self.mlp_error_before)
+            d["mlp_error_after"] = _finite(self.mlp_error_after)
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LayerError:
-        return cls(int(d["layer"]), _float(d["error_before"]), _float(d["error_after"]))
+        mlp = ((_float(d["mlp_error_before"]), _float(d["mlp_error_after"]))
+               if "mlp_error_before" in d else (None, None))
+        return cls(int(d["layer"]), _float(d["error_before"]), _float(d["error_after"]), *mlp)
 
 
 @dataclass
