@@ -192,7 +192,7 @@ def _cache_figures(res: BenchResult, models: dict[str, Any], caches: dict[str, A
                 "bytes")
         if name != "before":
             res.add_target(f"long_{name}_cache_error_bytes_at_{context}", target=0, op="<=",
-                           what=f"|cache bytes held - predicted from the kept groups|, "
+                           what=f"cache bytes held off the prediction from the kept groups, "
                                 f"{name}, {length} positions")
     res.checks[f"long_cache_bytes_at_{context}"] = held_all
     res.checks[f"long_cache_ratio_at_{context}"] = {
