@@ -37,7 +37,7 @@ def check_run(cfg: RunConfig, out: Path, *, resume: bool) -> None:
     check_out(out, resume=resume)
     check_data(cfg)
     heads, params = model_size(cfg.model)
-    if cfg.command == "prune" and heads is not None:
+    if cfg.command == "prune" and heads is not None and cfg.unit == "head":
         try:
             heads_to_keep(heads, keep=cfg.keep, prune=cfg.prune)
         except UserError as exc:
@@ -69,8 +69,13 @@ def check_out(out: Path, *, resume: bool) -> None:
 
 def check_data(cfg: RunConfig) -> None:
     """The data is readable before the model loads: a dataset spec by its grammar, a
-    file by reading it (its text, rows and columns)."""
-    spec = cfg.data
+    file by reading it (its text, rows and columns); --data, --calib-data and
+    --eval-data alike."""
+    for spec in dict.fromkeys((cfg.data, cfg.calib_data, cfg.eval_data)):
+        _check_spec(cfg, spec)
+
+
+def _check_spec(cfg: RunConfig, spec: str | None) -> None:
     if spec is None or spec == BUNDLED_SPEC:
         return
     if spec.count(":") >= 1 and not Path(spec).exists() and Path(spec).suffix.lower() not in (
