@@ -9,7 +9,6 @@ is a bug and keeps its traceback (exit 1). Ctrl-C marks the run interrupted and 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -17,100 +16,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from headlab import cli_options as opt
+from headlab.cli_common import _guard, _one_line, _setup, app
+from headlab.cli_heads import detect, inspect, validate
 from headlab.config import RunConfig
 
 if TYPE_CHECKING:
     from headlab.results import RunResult
-
-app = typer.Typer(
-    name="headlab",
-    help="See, score and prune the attention heads of transformer models.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-)
-log = logging.getLogger("headlab")
-
-
-def _setup(quiet: bool, json_mode: bool) -> None:
-    import os
-    import signal
-
-    from headlab import _progress
-
-    # SIGTERM (a scheduler stopping the job) ends a run like Ctrl-C: status interrupted,
-    # checkpoint saved, resumable. Both also stop every progress loop (see request_stop).
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    other_rank = int(os.environ.get("RANK", "0")) > 0  # torchrun: rank 0 alone prints
-    quiet = quiet or other_rank
-    level = logging.WARNING if quiet or json_mode else logging.INFO
-    level = logging.ERROR if other_rank else level
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"
-                                           if level > logging.INFO else "%(message)s"))
-    root = logging.getLogger("headlab")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    root.propagate = False
-    _progress.set_enabled(not quiet and not json_mode and sys.stderr.isatty())
-    for noisy in ("transformers", "datasets", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except ImportError:
-        pass
-
-
-def _interrupt(signum, frame) -> None:
-    from headlab import _progress
-
-    _progress.request_stop()
-    raise KeyboardInterrupt
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-def _guard(fn, *args, **kwargs):
-    """Run fn, turning the errors a user can act on into one line and exit code 2:
-    headlab's own (`headlab.errors`), non-finite numbers from broken weights, and the
-    file system's (full, read-only, missing), named by path. Others are bugs: they
-    keep their traceback."""
-    from headlab.errors import UserError
-
-    try:
-        return fn(*args, **kwargs)
-    except (UserError, FloatingPointError) as exc:
-        _fail(_one_line(exc))
-    except OSError as exc:
-        if exc.filename is not None and exc.strerror:
-            _fail(f"{exc.filename}: {exc.strerror}")
-        _fail(_one_line(exc))
-    except KeyboardInterrupt as exc:
-        run_dir = getattr(exc, "run_dir", None)  # set once the run directory exists
-        if run_dir is None:
-            typer.echo("interrupted before the run directory was made: nothing to resume",
-                       err=True)
-        else:
-            typer.echo(f"interrupted: {run_dir} is marked 'interrupted'; continue it with "
-                       f"--resume {run_dir}", err=True)
-        raise typer.Exit(130) from None
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
 
 
 def _summary(result: RunResult, out: Path) -> dict:
@@ -479,163 +390,9 @@ def _mean(grid: list[list[float]]) -> float:
     return sum(map(sum, grid)) / max(1, sum(map(len, grid)))
 
 
-@app.command()
-def inspect(
-    model: Annotated[str, typer.Argument(help="Model name or path.")],
-    text: Annotated[str, typer.Argument(help="The text to look at.")],
-    html: Annotated[Path | None, typer.Option(help="Write an interactive HTML view here.")]
-    = None,
-    top: Annotated[int, typer.Option(help="Rows of the table (most confident heads).")] = 20,
-    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
-    target: Annotated[str | None, typer.Option(
-        help="With --foil: each head's direct logit attribution to logit(target) - "
-             "logit(foil) at the last position (decoders) or the first [MASK] (masked "
-             "LMs), one token each.")] = None,
-    foil: Annotated[str | None, typer.Option(help="The token the target is compared with.")]
-    = None,
-) -> None:
-    """Per-head statistics for one text, and an optional HTML attention view.
-
-    Example: headlab inspect smollm2-135m "The cat sat on the mat." --html cat.html
-    """
-    _setup(False, False)
-
-    def body():
-        if (target is None) != (foil is None):
-            from headlab.errors import UserError
-
-            raise UserError("give --target and --foil together")
-        if target is not None:
-            _print_attribution(model, text, target, foil, top, device.value)
-            return
-        from headlab.viz import inspect_text
-
-        table, written = inspect_text(model, text, html=html, device=device.value)
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(title=f"{model}: heads on {len(text)} characters")
-        cols = ["layer", "head", "entropy", "confidence", "first", "prev", "self", "next",
-                "punct"]
-        for c in cols:
-            t.add_column(c, justify="right")
-        for rec in sorted(table, key=lambda r: -r["confidence"])[:top]:
-            t.add_row(*[str(rec[c]) if c in ("layer", "head") else f"{rec[c]:.2f}"
-                        for c in cols])
-        Console().print(t)
-        if written:
-            typer.echo(f"view: {written}")
-
-    _guard(body)
-
-
-def _print_attribution(model: str, text: str, target: str, foil: str, top: int,
-                       device: str) -> None:
-    from headlab.attribution import logit_attribution
-    from headlab.config import resolve_device
-    from headlab.models import load
-
-    found = logit_attribution(load(model, device=resolve_device(device)), text,
-                              target=target, foil=foil)
-    heads = found.total() - sum(found.rest.values())
-    typer.echo(f"logit({target!r}) - logit({foil!r}) = {found.logit_diff:.4f} at position "
-               f"{found.position}: heads {heads:.4f}, the rest {sum(found.rest.values()):.4f} "
-               f"(final norm scale frozen at {found.norm_scale:.4g})")
-    for layer, head, v in found.top(top):
-        typer.echo(f"  L{layer}H{head} {v:+.4f}")
-
-
-@app.command()
-def detect(
-    model: opt.ModelOpt,
-    kinds: Annotated[list[str] | None, typer.Option(
-        "--kinds", help="Detectors to run (repeat the option); default: all that apply.")]
-    = None,
-    n: Annotated[int, typer.Option(help="Examples per detector.")] = 16,
-    seq_len: Annotated[int, typer.Option(help="Tokens per text block or needle prompt.")]
-    = 128,
-    top: Annotated[int, typer.Option(help="Heads listed per detector.")] = 5,
-    seed: opt.SeedOpt = opt.D["seed"],
-    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
-    out: Annotated[Path | None, typer.Option(help="Write every score here (JSON).")] = None,
-    json_mode: opt.JsonOpt = False,
-) -> None:
-    """Head types: previous-token, induction, duplicate-token, sink, retrieval (decoders)
-    or [CLS]/[SEP]/punctuation/next-token (encoders), each a score in [0, 1] per head.
-
-    Example: headlab detect --model smollm2-135m --kinds induction --kinds previous-token
-    """
-    _setup(True, json_mode)
-
-    def body():
-        from headlab._io import atomic_write_json
-        from headlab.config import resolve_device
-        from headlab.detectors import detect_all, top_heads
-        from headlab.models import load
-
-        m = load(model, device=resolve_device(device.value))
-        found = detect_all(m, kinds, n=n, seq_len=seq_len, seed=seed)
-        if out is not None:
-            atomic_write_json(out, {k: s.to_json() for k, s in found.items()})
-        if json_mode:
-            typer.echo(json.dumps({k: s.to_json() for k, s in found.items()}))
-            return
-        for kind, scores in found.items():
-            best = ", ".join(f"L{layer}H{head} {v:.3f}" for layer, head, v in
-                             top_heads(scores, top))
-            typer.echo(f"{kind:>16}: {best}")
-
-    _guard(body)
-
-
-@app.command()
-def validate(
-    model: opt.ModelOpt,
-    methods: Annotated[list[opt.Method] | None, typer.Option(
-        "--methods", help="Importance methods to check (repeat); default: all.")] = None,
-    kinds: Annotated[list[str] | None, typer.Option(
-        "--kinds", help="Detectors to check (repeat); default: all that apply.")] = None,
-    data: opt.DataOpt = None,
-    max_tokens: Annotated[int, typer.Option(help="Token budget for scoring + held-out.")]
-    = 4096,
-    seq_len: opt.SeqLenOpt = 128,
-    batch_size: opt.BatchSizeOpt = opt.D["batch_size"],
-    n_boot: Annotated[int, typer.Option(help="Bootstrap draws over held-out examples.")]
-    = 1000,
-    seed: opt.SeedOpt = opt.D["seed"],
-    device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
-    out: Annotated[Path | None, typer.Option(help="Write the validation here (JSON).")]
-    = None,
-    json_mode: opt.JsonOpt = False,
-) -> None:
-    """Each head's true single-head ablation cost on held-out data, and how well every
-    importance method and detector ranks it (Spearman, bootstrap 95% CI, pruning-curve
-    area / random's).
-
-    Example: headlab validate --model minilm-l6 --methods michel --methods random
-    """
-    _setup(True, json_mode)
-
-    def body():
-        from headlab._io import atomic_write_json
-        from headlab.importance import METHODS
-        from headlab.runs import build_data, load_model
-        from headlab.validation import validate as run_validation
-
-        cfg = RunConfig.from_dict(dict(
-            model=model, command="score", data=data, max_tokens=max_tokens, seq_len=seq_len,
-            batch_size=batch_size, seed=seed, device=device.value))
-        m = load_model(cfg)
-        scoring, heldout, _ = build_data(cfg, m)
-        found = run_validation(m, scoring, heldout,
-                               methods=[x.value for x in methods] if methods else METHODS,
-                               detectors=kinds, batch_size=batch_size, n_boot=n_boot,
-                               seed=seed, name=model)
-        if out is not None:
-            atomic_write_json(out, found.to_json())
-        typer.echo(json.dumps(found.to_json()) if json_mode else found.table())
-
-    _guard(body)
+app.command()(inspect)
+app.command()(detect)
+app.command()(validate)
 
 
 @app.command()
