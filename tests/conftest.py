@@ -48,6 +48,23 @@ def tiny_gpt2_dir(tmp_path_factory, bpe_tokenizer):
     return path
 
 
+@pytest.fixture(scope="session")
+def gqa_dir(tmp_path_factory, bpe_tokenizer):
+    """A random Llama, 2 layers x 6 query heads over 3 key/value heads (groups of 2)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(bpe_tokenizer), hidden_size=48, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("tiny-gqa-llama")
+    model.save_pretrained(path)
+    bpe_tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture()
 def tiny_gpt2(tiny_gpt2_dir):
     import headlab

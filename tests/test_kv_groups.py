@@ -38,21 +38,6 @@ TABLE = [[1.0, 4.0, 6.0, 7.0, 2.0, 1.0],
 GROUPS = [[[0, 1], [2, 3], [4, 5]]] * 2
 
 
-@pytest.fixture(scope="module")
-def gqa_dir(tmp_path_factory, bpe_tokenizer):
-    """A random Llama, 2 layers x 6 query heads over 3 key/value heads (groups of 2)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(bpe_tokenizer), hidden_size=48, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
-        max_position_embeddings=256, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("tiny-gqa-llama")
-    model.save_pretrained(path)
-    bpe_tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture()
 def ids() -> torch.Tensor:
     return torch.randint(0, 500, (2, 19), generator=torch.Generator().manual_seed(1))

@@ -18,7 +18,6 @@ import copy
 
 import pytest
 import torch
-import transformers
 from torch.testing import assert_close
 
 import headlab
@@ -32,21 +31,6 @@ from headlab.streaming import Streaming, StreamingCache
 # the issue's bound for a demoted head against the masked full-cache head, float64 maths
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}
 SINKS, WINDOW = 2, 5
-
-
-@pytest.fixture(scope="module")
-def gqa_dir(tmp_path_factory, bpe_tokenizer):
-    """A random Llama, 2 layers x 6 query heads over 3 key/value heads (groups of 2)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(bpe_tokenizer), hidden_size=48, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
-        max_position_embeddings=256, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("tiny-gqa-llama-stream")
-    model.save_pretrained(path)
-    bpe_tokenizer.save_pretrained(path)
-    return path
 
 
 def _reference_mask(kv_index: list[int], demoted: set[int], T: int) -> torch.Tensor:
