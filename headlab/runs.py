@@ -518,10 +518,11 @@ class _Stage:
     def _finish(self, result: RunResult, scores: HeadScores) -> None:
         from headlab.report import build_report
 
+        if distributed.is_main() or is_sharded(self.model):  # sharded: every rank's forward
+            result.head_types = self._head_types()
         if not distributed.is_main():
             return
         out = self.out
-        result.head_types = self._head_types()
         scores.save_csv(out / "importance.csv")
         result.files = {"results": "results.json", "importance_csv": "importance.csv",
                         "config": "config.json"}
