@@ -38,11 +38,15 @@ from headlab.models.base import (
     load_into,
 )
 from headlab.models.encoder import ACTIVATIONS as _ACTIVATIONS
-from headlab.models.encoder import POOLINGS, pool, sentence_transformers_pooling
+from headlab.models.encoder import (
+    HEADS,
+    check_options,
+    pool,
+    sentence_transformers_pooling,
+)
 
 MODEL_TYPES = ("bert",)
 
-HEADS = {"mlm": "masked-lm", "classifier": "classifier", "none": "embedding"}
 # HF architecture -> headlab head
 _ARCHITECTURES = {
     "BertModel": "none",
@@ -184,17 +188,10 @@ class Bert(HeadModel):
         ``head``: "mlm", "classifier" or "none"; ``pooling`` ("mean", "cls", "max") and
         ``normalize`` (L2) shape the embeddings of ``head="none"``."""
         super().__init__(config)
-        if head not in HEADS:
-            raise ValueError(f"BERT head {head!r} is unknown; choose one of {sorted(HEADS)}")
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling {pooling!r} is unknown; choose one of {POOLINGS}")
+        layout = check_options("BERT", head=head, pooling=pooling, layout=layout,
+                               n_layers=config.num_hidden_layers)
         self.head, self.pooling, self.normalize = head, pooling, normalize
         self.kind = HEADS[head]
-        layout = layout or [None] * config.num_hidden_layers
-        if len(layout) != config.num_hidden_layers:
-            raise ValueError(
-                f"layout has {len(layout)} layers, config has {config.num_hidden_layers}"
-            )
         E = config.hidden_size
         self.wte = nn.Embedding(config.vocab_size, E)
         self.wpe = nn.Embedding(config.max_position_embeddings, E)

@@ -24,6 +24,22 @@ ACTIVATIONS = {
     "swish": F.silu,
 }
 POOLINGS = ("mean", "cls", "max")
+# an encoder's head -> the kind of model it makes (headlab.objectives)
+HEADS = {"mlm": "masked-lm", "classifier": "classifier", "none": "embedding"}
+
+
+def check_options(family: str, *, head: str, pooling: str, layout: list | None,
+                  n_layers: int) -> list:
+    """Validate an encoder's head, pooling and layout; return the layout (one entry per
+    layer, None for an unpruned one)."""
+    if head not in HEADS:
+        raise ValueError(f"{family} head {head!r} is unknown; choose one of {sorted(HEADS)}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling {pooling!r} is unknown; choose one of {POOLINGS}")
+    layout = layout or [None] * n_layers
+    if len(layout) != n_layers:
+        raise ValueError(f"layout has {len(layout)} layers, config has {n_layers}")
+    return layout
 
 
 def activation(name: str, *, family: str):

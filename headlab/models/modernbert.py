@@ -30,10 +30,9 @@ from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
 from headlab.models.base import BlockInputs, FamilyConfig, HeadModel, ModelOutput, WeightMap
-from headlab.models.encoder import POOLINGS, activation, build, head_of, pool
+from headlab.models.encoder import HEADS, activation, build, check_options, head_of, pool
 
 MODEL_TYPES = ("modernbert",)
-HEADS = {"mlm": "masked-lm", "classifier": "classifier", "none": "embedding"}
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
 _ARCHITECTURES = {"ModernBertModel": "none", "ModernBertForMaskedLM": "mlm",
                   "ModernBertForSequenceClassification": "classifier"}
@@ -207,16 +206,10 @@ class ModernBert(HeadModel):
         ``head``: "mlm", "classifier" or "none"; ``pooling`` ("mean", "cls", "max") and
         ``normalize`` (L2) shape the embeddings of ``head="none"``."""
         super().__init__(config)
-        if head not in HEADS:
-            raise ValueError(f"ModernBERT head {head!r} is unknown; choose one of {sorted(HEADS)}")
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling {pooling!r} is unknown; choose one of {POOLINGS}")
+        layout = check_options("ModernBERT", head=head, pooling=pooling, layout=layout,
+                               n_layers=config.num_hidden_layers)
         self.head, self.pooling, self.normalize = head, pooling, normalize
         self.kind = HEADS[head]
-        layout = layout or [None] * config.num_hidden_layers
-        if len(layout) != config.num_hidden_layers:
-            raise ValueError(
-                f"layout has {len(layout)} layers, config has {config.num_hidden_layers}")
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.ln_emb = _norm(config)
         self.blocks = nn.ModuleList(ModernBertBlock(config, i, kv) for i, kv in enumerate(layout))
