@@ -49,6 +49,27 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_fast": lambda x: F.gelu(x, approximate="tanh")}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Checkpoint names the Llama-style families share (transformers' `*DecoderLayer`): the
+# projections of attention and MLP, the QK norms, biases by projection, and the tensors
+# outside the layers. Each family adds its norms (`WeightMap.per_layer` patterns).
+PROJECTIONS = {
+    f"layers.{{}}.{part}.{p}.weight": f"blocks.{{}}.{short}.{p}.weight"
+    for part, short, names in (("self_attn", "attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                               ("mlp", "mlp", ("gate_proj", "up_proj", "down_proj")))
+    for p in names
+}
+QK_NORM = {f"layers.{{}}.self_attn.{p}.weight": f"blocks.{{}}.attn.{p}.weight"
+           for p in ("q_norm", "k_norm")}
+SINGLE = {"embed_tokens.weight": "embed_tokens.weight", "norm.weight": "norm.weight",
+          "^lm_head.weight": "lm_head.weight"}
+
+
+def attention_biases(*names: str) -> dict[str, str]:
+    """The checkpoint names of the biases of these attention projections."""
+    return {f"layers.{{}}.self_attn.{p}.bias": f"blocks.{{}}.attn.{p}.bias" for p in names}
+
+
 # rope_type -> the keys its parameters must hold besides rope_theta
 ROPE_TYPES = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor",

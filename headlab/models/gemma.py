@@ -14,29 +14,28 @@ from __future__ import annotations
 import torch
 
 from headlab.models.base import WeightMap
-from headlab.models.decoder import Decoder, DecoderConfig, build, read_rope, shared_fields
+from headlab.models.decoder import (
+    PROJECTIONS,
+    QK_NORM,
+    SINGLE,
+    Decoder,
+    DecoderConfig,
+    attention_biases,
+    build,
+    read_rope,
+    shared_fields,
+)
 
 MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3")
 
 _LAYER = {
-    "layers.{}.self_attn.q_proj.weight": "blocks.{}.attn.q_proj.weight",
-    "layers.{}.self_attn.k_proj.weight": "blocks.{}.attn.k_proj.weight",
-    "layers.{}.self_attn.v_proj.weight": "blocks.{}.attn.v_proj.weight",
-    "layers.{}.self_attn.o_proj.weight": "blocks.{}.attn.o_proj.weight",
-    "layers.{}.mlp.gate_proj.weight": "blocks.{}.mlp.gate_proj.weight",
-    "layers.{}.mlp.up_proj.weight": "blocks.{}.mlp.up_proj.weight",
-    "layers.{}.mlp.down_proj.weight": "blocks.{}.mlp.down_proj.weight",
+    **PROJECTIONS,
     "layers.{}.input_layernorm.weight": "blocks.{}.attn_norm.weight",
     "layers.{}.post_attention_layernorm.weight": "blocks.{}.attn_post_norm.weight",
     "layers.{}.pre_feedforward_layernorm.weight": "blocks.{}.mlp_norm.weight",
     "layers.{}.post_feedforward_layernorm.weight": "blocks.{}.mlp_post_norm.weight",
 }
-_BIAS = {f"layers.{{}}.self_attn.{p}.bias": f"blocks.{{}}.attn.{p}.bias"
-         for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-_QK_NORM = {"layers.{}.self_attn.q_norm.weight": "blocks.{}.attn.q_norm.weight",
-            "layers.{}.self_attn.k_norm.weight": "blocks.{}.attn.k_norm.weight"}
-_SINGLE = {"embed_tokens.weight": "embed_tokens.weight", "norm.weight": "norm.weight",
-           "^lm_head.weight": "lm_head.weight"}
+_BIAS = attention_biases("q_proj", "k_proj", "v_proj", "o_proj")
 # the multimodal checkpoint's text model sits under one of these (v5, v4)
 _PREFIXES = ("model.", "model.language_model.", "language_model.model.", "")
 
@@ -46,9 +45,9 @@ def _weight_map(cfg: DecoderConfig) -> WeightMap:
     if cfg.qkv_bias:
         per_layer.update(_BIAS)
     if cfg.qk_norm:
-        per_layer.update(_QK_NORM)
+        per_layer.update(QK_NORM)
     return WeightMap(
-        per_layer=per_layer, single=_SINGLE,
+        per_layer=per_layer, single=SINGLE,
         ignore=(r"rotary_emb\.inv_freq$", r"vision_tower\.", r"multi_modal_projector\."),
         optional=("^lm_head.weight", "^language_model.lm_head.weight")
         if cfg.tie_word_embeddings else (),

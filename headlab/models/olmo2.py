@@ -17,34 +17,34 @@ from __future__ import annotations
 import torch
 
 from headlab.models.base import WeightMap
-from headlab.models.decoder import Decoder, DecoderConfig, build, read_rope, shared_fields
+from headlab.models.decoder import (
+    PROJECTIONS,
+    QK_NORM,
+    SINGLE,
+    Decoder,
+    DecoderConfig,
+    attention_biases,
+    build,
+    read_rope,
+    shared_fields,
+)
 
 MODEL_TYPES = ("olmo2",)
 
 _LAYER = {
-    "layers.{}.self_attn.q_proj.weight": "blocks.{}.attn.q_proj.weight",
-    "layers.{}.self_attn.k_proj.weight": "blocks.{}.attn.k_proj.weight",
-    "layers.{}.self_attn.v_proj.weight": "blocks.{}.attn.v_proj.weight",
-    "layers.{}.self_attn.o_proj.weight": "blocks.{}.attn.o_proj.weight",
-    "layers.{}.self_attn.q_norm.weight": "blocks.{}.attn.q_norm.weight",
-    "layers.{}.self_attn.k_norm.weight": "blocks.{}.attn.k_norm.weight",
-    "layers.{}.mlp.gate_proj.weight": "blocks.{}.mlp.gate_proj.weight",
-    "layers.{}.mlp.up_proj.weight": "blocks.{}.mlp.up_proj.weight",
-    "layers.{}.mlp.down_proj.weight": "blocks.{}.mlp.down_proj.weight",
+    **PROJECTIONS,
+    **QK_NORM,
     "layers.{}.post_attention_layernorm.weight": "blocks.{}.attn_post_norm.weight",
     "layers.{}.post_feedforward_layernorm.weight": "blocks.{}.mlp_post_norm.weight",
 }
-_BIAS = {f"layers.{{}}.self_attn.{p}.bias": f"blocks.{{}}.attn.{p}.bias"
-         for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-_SINGLE = {"embed_tokens.weight": "embed_tokens.weight", "norm.weight": "norm.weight",
-           "^lm_head.weight": "lm_head.weight"}
+_BIAS = attention_biases("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _weight_map(cfg: DecoderConfig) -> WeightMap:
     per_layer = dict(_LAYER)
     if cfg.qkv_bias:
         per_layer.update(_BIAS)
-    return WeightMap(per_layer=per_layer, single=_SINGLE, ignore=(r"rotary_emb\.inv_freq$",),
+    return WeightMap(per_layer=per_layer, single=SINGLE, ignore=(r"rotary_emb\.inv_freq$",),
                      optional=("^lm_head.weight",) if cfg.tie_word_embeddings else ())
 
 

@@ -12,8 +12,12 @@ import torch
 
 from headlab.models.base import WeightMap
 from headlab.models.decoder import (
+    PROJECTIONS,
+    QK_NORM,
+    SINGLE,
     Decoder,
     DecoderConfig,
+    attention_biases,
     build,
     read_rope,
     shared_fields,
@@ -23,23 +27,12 @@ from headlab.models.decoder import (
 MODEL_TYPES = ("qwen2", "qwen3")
 
 _LAYER = {
-    "layers.{}.self_attn.q_proj.weight": "blocks.{}.attn.q_proj.weight",
-    "layers.{}.self_attn.k_proj.weight": "blocks.{}.attn.k_proj.weight",
-    "layers.{}.self_attn.v_proj.weight": "blocks.{}.attn.v_proj.weight",
-    "layers.{}.self_attn.o_proj.weight": "blocks.{}.attn.o_proj.weight",
-    "layers.{}.mlp.gate_proj.weight": "blocks.{}.mlp.gate_proj.weight",
-    "layers.{}.mlp.up_proj.weight": "blocks.{}.mlp.up_proj.weight",
-    "layers.{}.mlp.down_proj.weight": "blocks.{}.mlp.down_proj.weight",
+    **PROJECTIONS,
     "layers.{}.input_layernorm.weight": "blocks.{}.attn_norm.weight",
     "layers.{}.post_attention_layernorm.weight": "blocks.{}.mlp_norm.weight",
 }
-_QKV_BIAS = {f"layers.{{}}.self_attn.{p}.bias": f"blocks.{{}}.attn.{p}.bias"
-             for p in ("q_proj", "k_proj", "v_proj")}
-_O_BIAS = {"layers.{}.self_attn.o_proj.bias": "blocks.{}.attn.o_proj.bias"}
-_QK_NORM = {"layers.{}.self_attn.q_norm.weight": "blocks.{}.attn.q_norm.weight",
-            "layers.{}.self_attn.k_norm.weight": "blocks.{}.attn.k_norm.weight"}
-_SINGLE = {"embed_tokens.weight": "embed_tokens.weight", "norm.weight": "norm.weight",
-           "^lm_head.weight": "lm_head.weight"}
+_QKV_BIAS = attention_biases("q_proj", "k_proj", "v_proj")
+_O_BIAS = attention_biases("o_proj")
 
 
 def _weight_map(cfg: DecoderConfig) -> WeightMap:
@@ -49,8 +42,8 @@ def _weight_map(cfg: DecoderConfig) -> WeightMap:
     if cfg.out_bias:
         per_layer.update(_O_BIAS)
     if cfg.qk_norm:
-        per_layer.update(_QK_NORM)
-    return WeightMap(per_layer=per_layer, single=_SINGLE,
+        per_layer.update(QK_NORM)
+    return WeightMap(per_layer=per_layer, single=SINGLE,
                      ignore=(r"rotary_emb\.inv_freq$",),
                      optional=("^lm_head.weight",) if cfg.tie_word_embeddings else ())
 
