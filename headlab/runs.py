@@ -441,14 +441,13 @@ class _Stage:
     def _tasks(self, result: RunResult, before: HeadModel, after: HeadModel | None) -> None:
         """lm-eval tasks and the needle test (``--tasks``) on the model as it came and
         on the model you get, into ``result.tasks`` and ``result.needle``."""
-        from headlab.needle import needle_test
-        from headlab.tasks import lm_eval_version, run_tasks
-
         cfg = self.cfg
         names = [t for t in cfg.tasks if t != "needle"]
         tasks, needle = {}, None
         runs = [("before", before)] + ([("after", after)] if after is not None else [])
-        if names:
+        if names:  # lm-eval is imported only for a run that asks for its tasks
+            from headlab.tasks import lm_eval_version, run_tasks
+
             measured = {}
             for side, m in runs:
                 log.info("lm-eval tasks %s on the model %s pruning", ", ".join(names),
@@ -460,6 +459,8 @@ class _Stage:
                                        measured.get("after", {}).get(name))
                      for name in measured["before"]}
         if "needle" in cfg.tasks:
+            from headlab.needle import needle_test
+
             grids = {}
             for side, m in runs:
                 log.info("needle test on the model %s pruning", side)
