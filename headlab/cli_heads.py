@@ -85,12 +85,15 @@ def detect(
     kinds: Annotated[list[str] | None, typer.Option(
         "--kinds", help="Detectors to run (repeat the option); default: all that apply.")]
     = None,
-    n: Annotated[int, typer.Option(help="Examples per detector.")] = 16,
+    n: Annotated[int, typer.Option(
+        "--n", "--examples", help="Examples per detector (--examples under torchrun, whose "
+                                   "own options take --n).")] = 16,
     seq_len: Annotated[int, typer.Option(help="Tokens per text block or needle prompt.")]
     = 128,
     top: Annotated[int, typer.Option(help="Heads listed per detector.")] = 5,
     seed: opt.SeedOpt = opt.D["seed"],
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
+    shard: opt.ShardOpt = None,
     out: Annotated[Path | None, typer.Option(help="Write every score here (JSON).")] = None,
     json_mode: opt.JsonOpt = False,
 ) -> None:
@@ -102,13 +105,19 @@ def detect(
     _setup(True, json_mode)
 
     def body():
+        from headlab import distributed
         from headlab._io import atomic_write_json
         from headlab.config import resolve_device
         from headlab.detectors import detect_all, top_heads
         from headlab.models import load
+        from headlab.sharding import load_sharded
 
-        m = load(model, device=resolve_device(device.value))
+        where = resolve_device(device.value)
+        # sharded: every rank runs every probe, in lockstep through each block's gather
+        m = load_sharded(model, device=where)[0] if shard else load(model, device=where)
         found = detect_all(m, kinds, n=n, seq_len=seq_len, seed=seed)
+        if not distributed.is_main():  # under torchrun rank 0 alone prints
+            return
         if out is not None:
             atomic_write_json(out, {k: s.to_json() for k, s in found.items()})
         if json_mode:

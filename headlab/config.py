@@ -158,11 +158,14 @@ class RunConfig:
             raise UserError(f"--seq-len must be >= 4, got {self.seq_len}")
         if self.shard is not None and self.shard not in SHARDING:
             raise UserError(f"--shard must be {' or '.join(SHARDING)}, got {self.shard!r}")
-        if self.shard is not None and self.command == "prune" and (
-                self.recover != "none" or self.export is not None):
-            raise UserError("a sharded prune saves the pruned model but neither repairs nor "
-                            "exports it: pass --recover none (repair and export model/ "
-                            "unsharded, where it fits)")
+        if self.shard is not None and self.command == "prune":
+            given = [flag for flag, on in (("--recover distill", self.recover == "distill"),
+                                           ("--recover-every-step", self.recover_every_step),
+                                           ("--export", self.export is not None)) if on]
+            if given:
+                raise UserError(f"a sharded prune repairs once, after pruning, with bias, lsq "
+                                f"or rescale, and does not export: drop {', '.join(given)} "
+                                "(distil or export model/ unsharded, where it fits)")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

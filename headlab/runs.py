@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, R
 from headlab.runlock import RunLock, remove_stale_temps
 from headlab.schedule import prune_to_target
 from headlab.selection import heads_to_keep, kv_groups
-from headlab.sharding import is_sharded, load_sharded, save_pruned
+from headlab.sharding import is_sharded, load_sharded, save_sharded
 
 log = logging.getLogger("headlab")
 
@@ -351,8 +352,10 @@ class _Stage:
         if cfg.demote:  # the groups the plan would remove keep a sink + window cache
             pruned = demote(copy_model(model), res.plan.as_demotion(), sinks=cfg.sinks,
                             window=cfg.window)
-        elif sharded:  # written block by block, read back sharded (no copy of the whole)
-            pruned = load_sharded(save_pruned(model, res.plan, self.out / "model"),
+        elif sharded:  # written block by block, read back sharded (no copy of the whole);
+            # a model to repair is staged, model/ gets it once repaired
+            staged = self.out / ("model" if cfg.recover == "none" else "model.pruned")
+            pruned = load_sharded(save_sharded(model, staged, res.plan),
                                   device=str(model.device), dtype=model.dtype)[0]
         else:
             pruned = prune(copy_model(model), res.plan)
@@ -379,6 +382,10 @@ class _Stage:
         if main and not sharded:
             with atomic_dir(self.out / "model") as staging:  # whole, or not at all
                 pruned.save(staging)
+        elif sharded and recovery is not None:  # the repaired model, block by block
+            save_sharded(pruned, self.out / "model")
+            if main:
+                shutil.rmtree(self.out / "model.pruned")
         export_note = None
         if cfg.export == "hf" and main:
             reason = hf_expressible(pruned)

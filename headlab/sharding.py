@@ -17,9 +17,11 @@ rank), not speed. Backend: gloo on CPU, nccl on CUDA (`distributed.init_from_env
 
 `load_sharded` builds the model on the meta device and has each rank read, from the
 checkpoint's safetensors files (one file or an index of shards), only its own rows of
-each tensor; `save_pruned` gathers one block at a time, rank 0 prunes it and writes it
-as one safetensors file of a normal headlab directory; `check_memory` refuses a run
-whose per-rank memory (`headlab.memory`) would not fit.
+each tensor; `save_sharded` gathers one block at a time, rank 0 prunes it (given a
+plan) and writes it as one safetensors file of a normal headlab directory;
+`check_memory` refuses a run whose per-rank memory (`headlab.memory`) would not fit.
+Layer-wise repair of a sharded model gathers one block at a time too
+(`headlab.recovery.sharded`).
 """
 
 from __future__ import annotations
@@ -256,9 +258,10 @@ def _read_rows(model: HeadModel, path: Path, names: dict[str, str],
     return Reads(tensors, elements, sliced=True)
 
 
-def save_pruned(model: HeadModel, plan: PrunePlan, directory: str | Path) -> Path:
-    """Write the sharded ``model`` less ``plan.pruned`` as a headlab directory: one
-    safetensors file per block and one for the rest, with their index.
+def save_sharded(model: HeadModel, directory: str | Path,
+                 plan: PrunePlan | None = None) -> Path:
+    """Write the sharded ``model``, less ``plan.pruned`` if given, as a headlab
+    directory: one safetensors file per block and one for the rest, with their index.
 
     Every rank gathers one block at a time (collectives); rank 0 alone holds the whole
     block, prunes it as `headlab.prune` would and writes it, so no rank ever holds more
@@ -287,8 +290,9 @@ def save_pruned(model: HeadModel, plan: PrunePlan, directory: str | Path) -> Pat
         plain.to_empty(device="cpu")
         plain.load_state_dict(state)
         plain.attn._refresh_layout()
-        plain.attn.prune_heads(plan.pruned.get(i, []))
-        plain.attn.set_gates(torch.ones(plain.attn.n_heads))
+        if plan is not None:
+            plain.attn.prune_heads(plan.pruned.get(i, []))
+            plain.attn.set_gates(torch.ones(plain.attn.n_heads))
         layout.append(plain.attn.kv_index.tolist())
         out_bias.append(plain.attn.o_proj.bias is not None)
         name = f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors"

@@ -10,8 +10,9 @@ Methods (`RECOVERY_METHODS`):
     distill  a short knowledge distillation toward the reference (`distill`)
 
 The first four need no training and share one walk over the layers
-(`headlab.recovery.layerwise`). Recovery only reads the scoring split; quality is
-measured on held-out data elsewhere.
+(`headlab.recovery.layerwise`), which also runs on models sharded by FSDP2 (every
+rank calls `recover` in lockstep; `headlab.recovery.sharded`); distill does not.
+Recovery only reads the scoring split; quality is measured on held-out data elsewhere.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from headlab.recovery.lsq import (
     solve_ridge,
 )
 from headlab.recovery.report import LayerError, RecoveryReport
+from headlab.recovery.sharded import is_fsdp
 
 __all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "TRAINING_FREE", "LayerError",
            "RecoveryReport", "recover", "solve_ridge"]
@@ -67,6 +69,10 @@ def recover(
         raise UserError(f"unknown recovery method {method!r}; choose one of "
                         f"{', '.join(RECOVERY_METHODS)}")
     if method == "distill":
+        if is_fsdp(pruned):
+            raise UserError("recovery 'distill' trains the whole model and does not run on "
+                            "one sharded by --shard fsdp: repair it with lsq, bias or "
+                            "rescale, or distil it unsharded where it fits")
         return _distill(pruned, reference, blocks, batch_size=batch_size, ridge=ridge,
                         **options)
     if options:

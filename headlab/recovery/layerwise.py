@@ -32,7 +32,10 @@ A layer that already reproduces the reference exactly (error 0) is left as it is
 The errors are ``||Y_hat - Y||^2 / ||Y||^2`` over real tokens, in float64.
 
 Every refitted projection is replaced, not written into: on any failure, a non-finite
-fit included, the original modules are put back and the model is as it came.
+fit included, the original modules are put back and the model is as it came. In a
+model sharded by FSDP2 only block i (and the reference's) is whole during layer i, and
+the new weights are written into each rank's rows, the rows written over kept to put
+back (`headlab.recovery.sharded`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from headlab.errors import UserError
 from headlab.hooks import hooks
 from headlab.models.base import HeadModel
 from headlab.recovery.report import LayerError
+from headlab.recovery.sharded import RowWriter, gathered, is_fsdp, ready
 
 
 class LayerFit:
@@ -127,13 +131,12 @@ def repair(pruned: HeadModel, reference: HeadModel, blocks: Blocks, *, make_fit:
     modes = (pruned.training, reference.training)
     pruned.eval()
     reference.eval()
-    replaced: list[tuple[nn.Module, str, nn.Linear]] = []  # (owner, name, as it came)
+    installer = RowWriter() if is_fsdp(pruned) else _Replacer()
     try:
-        walk = _Walk(pruned, reference, blocks, batch_size, method, replaced)
+        walk = _Walk(pruned, reference, blocks, batch_size, method, installer)
         return walk.run(make_fit, residual, make_down)
     except BaseException:
-        for owner, name, original in reversed(replaced):
-            setattr(owner, name, original)
+        installer.undo()
         raise
     finally:
         pruned.train(modes[0])
@@ -141,12 +144,15 @@ def repair(pruned: HeadModel, reference: HeadModel, blocks: Blocks, *, make_fit:
 
 
 class _Walk:
-    def __init__(self, pruned, reference, blocks, batch_size, method, replaced) -> None:
+    def __init__(self, pruned, reference, blocks, batch_size, method, installer) -> None:
         device = pruned.device
         batches = [(b["input_ids"].to(device), b["attention_mask"].to(device))
                    for b in blocks.batches(batch_size)]
         self.pruned, self.reference, self.method = pruned, reference, method
-        self.replaced = replaced
+        self.installer = installer
+        for model in (pruned, reference):
+            if is_fsdp(model):
+                ready(model, batches[0][0])
         self.real = [mask.bool() for _, mask in batches]  # (B, S) each
         self.ref_in = [reference.block_inputs(ids, mask) for ids, mask in batches]
         self.pruned_in = [pruned.block_inputs(ids, mask) for ids, mask in batches]
@@ -158,28 +164,33 @@ class _Walk:
         layers = range(self.pruned.n_layers)
         for i in track(layers, total=len(layers),
                        description=f"recovery ({self.method}) by layer"):
-            fit = make_fit(i, self.reference.attentions[i], self.pruned.attentions[i])
-            down = make_down(_down(self.pruned, i)) if make_down is not None else None
-            attn_refs, mlp_refs = self._reference(i, fit, mlp=down is not None)
-            # Y = attn_ref + (x_ref - x): the pruned sum matches the reference's; where the
-            # streams agree, Y is the reference's output exactly
-            targets = [y + (h_ref - h[r]) if residual else y
-                       for (y, h_ref), h, r in zip(attn_refs, self.pruned_h, self.real,
-                                                   strict=True)]
-            attn_out, before = self._fit_attention(i, fit, targets)
-            after = _Error()
-            for b, out in enumerate(attn_out):
-                after.add(out[self.real[b]], targets[b])
-            mlp_out, mlp_errors = (self._fit_down(i, down, attn_out, mlp_refs)
-                                   if down is not None else (None, (None, None)))
-            # the repaired block's output, its sublayers' outputs as just computed
-            for b, x in enumerate(self.pruned_in):
-                with _fixed(self.pruned, i, attn_out[b], None if mlp_out is None
-                            else mlp_out[b]):
-                    self.pruned_h[b] = x.block(i, self.pruned_h[b])
-            records.append(LayerError(i, after.value if before is None else before.value,
-                                      after.value, *mlp_errors))
+            with gathered(self.pruned.blocks[i], self.reference.blocks[i]):
+                records.append(self._layer(i, make_fit, residual, make_down))
         return records
+
+    def _layer(self, i: int, make_fit: MakeFit, residual: bool,
+               make_down: MakeDown | None) -> LayerError:
+        fit = make_fit(i, self.reference.attentions[i], self.pruned.attentions[i])
+        down = make_down(_down(self.pruned, i)) if make_down is not None else None
+        attn_refs, mlp_refs = self._reference(i, fit, mlp=down is not None)
+        # Y = attn_ref + (x_ref - x): the pruned sum matches the reference's; where the
+        # streams agree, Y is the reference's output exactly
+        targets = [y + (h_ref - h[r]) if residual else y
+                   for (y, h_ref), h, r in zip(attn_refs, self.pruned_h, self.real,
+                                               strict=True)]
+        attn_out, before = self._fit_attention(i, fit, targets)
+        after = _Error()
+        for b, out in enumerate(attn_out):
+            after.add(out[self.real[b]], targets[b])
+        mlp_out, mlp_errors = (self._fit_down(i, down, attn_out, mlp_refs)
+                               if down is not None else (None, (None, None)))
+        # the repaired block's output, its sublayers' outputs as just computed
+        for b, x in enumerate(self.pruned_in):
+            with _fixed(self.pruned, i, attn_out[b], None if mlp_out is None
+                        else mlp_out[b]):
+                self.pruned_h[b] = x.block(i, self.pruned_h[b])
+        return LayerError(i, after.value if before is None else before.value, after.value,
+                          *mlp_errors)
 
     def _reference(self, i: int, fit: LayerFit | None, *, mlp: bool):
         """Advance the reference stream by block i; return per batch, over real tokens,
@@ -217,7 +228,7 @@ class _Walk:
         if fit is not None and before.diff != 0:
             new = _solve(fit, i, self.method)
             if new is not None:
-                self._install(attn, "o_proj", *new)
+                self.installer.install(self.pruned.blocks[i], attn, "o_proj", *new)
         outs = []
         for b, z in enumerate(zs):
             h = self.pruned_h[b]
@@ -245,16 +256,25 @@ class _Walk:
         new = _solve(down, i, self.method) if before.diff != 0 else None
         if new is not None:
             owner, name = _down_owner(self.pruned, i)
-            self._install(owner, name, *new)
+            self.installer.install(self.pruned.blocks[i], owner, name, *new)
         linear = _down(self.pruned, i)
         outs = [linear(act) for act in acts]  # the down projection ends the MLP
         for b, out in enumerate(outs):
             after.add(out[self.real[b]], ys[b])
         return outs, (before.value, after.value)
 
-    def _install(self, owner: nn.Module, name: str, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
-        """Put a copy of ``owner.name`` holding the new weight (and bias) in place."""
+
+class _Replacer:
+    """Installs refitted projections in a model that is not sharded, each as a copy put
+    in place of the module; `undo` puts the originals back."""
+
+    def __init__(self) -> None:
+        self.replaced: list[tuple[nn.Module, str, nn.Linear]] = []  # (owner, name, as came)
+
+    def install(self, block: nn.Module, owner: nn.Module, name: str, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> None:
+        """Put a copy of ``owner.name`` (in ``block``) holding the new weight (and bias)
+        in place."""
         original = getattr(owner, name)
         new = copy.deepcopy(original)
         setattr(owner, name, new)
@@ -265,6 +285,11 @@ class _Walk:
                 owner.ensure_out_bias().copy_(bias)
             else:
                 new.bias.copy_(bias)
+
+    def undo(self) -> None:
+        for owner, name, original in reversed(self.replaced):
+            setattr(owner, name, original)
+        self.replaced.clear()
 
 
 class _Output(nn.Module):
