@@ -40,7 +40,7 @@ class KVCacheReport:
 
     unit: str = "head"
     group_score: str | None = None
-    selection: str | None = None  # what chose the groups: an importance method's name
+    selection: str | None = None  # what chose the groups: a method's name, "<kind> detector"
     demoted: dict[int, list[int]] = field(default_factory=dict)  # layer -> query heads
     sinks: int | None = None
     window: int | None = None

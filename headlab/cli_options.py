@@ -23,6 +23,7 @@ from headlab.config import (
     SHARDING,
     RunConfig,
 )
+from headlab.detectors import DECODER_KINDS
 from headlab.schedule import UNITS
 from headlab.selection import GROUP_SCORES
 
@@ -94,6 +95,11 @@ DemoteOpt = Annotated[bool, typer.Option(
          "those in their key/value cache.")]
 SinksOpt = Annotated[int, typer.Option(help="--demote: attention-sink positions kept.")]
 WindowOpt = Annotated[int, typer.Option(help="--demote: recent positions kept (>= 1).")]
+DemoteBy = StrEnum("DemoteBy", [(k, k) for k in DECODER_KINDS])
+DemoteByOpt = Annotated[DemoteBy | None, typer.Option(
+    help="--demote: choose the demoted groups by a head-type detector instead of --method: "
+         "the groups scoring highest (--group-score of their query heads) keep their full "
+         "cache, the rest are demoted; retrieval finds DuoAttention's retrieval heads.")]
 # calibration / evaluation the papers' way (headlab.protocol), lm-eval tasks (headlab.tasks)
 Protocol = StrEnum("Protocol", [(m, m) for m in PROTOCOLS])
 DEFAULT_PROTOCOL = Protocol(D["eval_protocol"])

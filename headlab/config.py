@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from headlab.detectors import DECODER_KINDS
 from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS
 from headlab.objectives import DEFAULT_BATCH_SIZE
@@ -94,6 +95,7 @@ class RunConfig:
     demote: bool = False  # heads pruning would remove keep a sink + window cache
     sinks: int = 4
     window: int = 256
+    demote_by: str | None = None  # a detector kind choosing the demoted groups; None: method
     decode_steps: int = 8  # timed decoding steps per context (kv-group and demote runs)
 
     @classmethod
@@ -227,6 +229,12 @@ class RunConfig:
             raise UserError("--demote works on whole GQA groups (a key/value head serves "
                             "its group): add --unit kv-group (on a model without GQA a "
                             "group is one head)")
+        if self.demote_by is not None and not self.demote:
+            raise UserError("--demote-by chooses the groups --demote demotes: add --demote "
+                            "(or drop --demote-by)")
+        if self.demote_by is not None and self.demote_by not in DECODER_KINDS:
+            raise UserError(f"--demote-by: unknown detector {self.demote_by!r}; choose from "
+                            f"{', '.join(DECODER_KINDS)} (demotion works on decoders)")
         if self.decode_steps < 1:
             raise UserError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.demote and self.export == "hf":

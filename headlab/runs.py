@@ -35,12 +35,12 @@ from headlab.models.loading import load
 from headlab.objectives import objective_for
 from headlab.overview import overview
 from headlab.preflight import check_run
-from headlab.pruning import copy_model, demote, demoted_heads, prune
+from headlab.pruning import copy_model, demote, demoted_heads, prune, trial
 from headlab.recovery import recover
 from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
 from headlab.runlock import RunLock, remove_stale_temps
 from headlab.schedule import prune_to_target
-from headlab.selection import heads_to_keep, kv_groups
+from headlab.selection import PrunePlan, heads_to_keep, kv_groups, select_groups
 from headlab.sharding import is_sharded, load_sharded, save_sharded
 
 log = logging.getLogger("headlab")
@@ -349,8 +349,10 @@ class _Stage:
         curves[cfg.method] = res.curve
         # the model stays as it came: the reference for timing, overview and repair
         sharded = is_sharded(model)
+        plan, quality_removed = res.plan, None
         if cfg.demote:  # the groups the plan would remove keep a sink + window cache
-            pruned = demote(copy_model(model), res.plan.as_demotion(), sinks=cfg.sinks,
+            plan, quality_removed = self._demotion(res, n_keep)
+            pruned = demote(copy_model(model), plan.as_demotion(), sinks=cfg.sinks,
                             window=cfg.window)
         elif sharded:  # written block by block, read back sharded (no copy of the whole);
             # a model to repair is staged, model/ gets it once repaired
@@ -398,7 +400,7 @@ class _Stage:
                 log.warning(export_note)
         q_before = res.curve[0]
         result = self._result(
-            res.scores, heads_kept=res.plan.n_kept, kept_heads=res.plan.kept,
+            res.scores, heads_kept=plan.n_kept, kept_heads=plan.kept,
             heads_per_layer=BeforeAfter(before.heads, after.heads),
             kv_heads_per_layer=BeforeAfter(before.kv_heads, after.kv_heads),
             quality=QualityFigures(
@@ -413,14 +415,31 @@ class _Stage:
             kv_cache_bytes_per_token=BeforeAfter(before.kv_bytes, after.kv_bytes),
             export=export_note)
         if main:
-            result.kv_cache = self._kv_cache(pruned, res)
+            result.kv_cache = self._kv_cache(pruned, quality_removed)
         if result_overview is not None:
             result.sample, result.statistics, result.clusters = result_overview
         self._tasks(result, model, pruned)
         self._finish(result, res.scores)
         return result
 
-    def _kv_cache(self, pruned: HeadModel, res) -> KVCacheReport:
+    def _demotion(self, res, n_keep: int) -> tuple[PrunePlan, float]:
+        """The groups to demote, and the held-out quality with them removed instead: the
+        groups the schedule removed (its last masked point), or with --demote-by the
+        ``n_keep`` groups the detector scores highest keep their full cache and the rest
+        are demoted (a group's score: --group-score of its query heads')."""
+        cfg, model = self.cfg, self.model
+        if cfg.demote_by is None:
+            return res.plan, res.curve[-1].quality
+        log.info("choosing the demoted groups by the %s detector", cfg.demote_by)
+        scores = detect(model, cfg.demote_by, seq_len=min(128, model.max_positions),
+                        seed=cfg.seed)
+        plan = select_groups(scores, kv_groups(model), n_keep, per_layer=cfg.per_layer,
+                             group_score=cfg.group_score)
+        with trial(model, plan):
+            removed = evaluate(model, self.heldout, batch_size=cfg.batch_size)
+        return plan, removed.value
+
+    def _kv_cache(self, pruned: HeadModel, quality_removed: float | None) -> KVCacheReport:
         """The cache before and after: bytes per token at the evaluation length and the
         model's maximum, and, for kv-group and demotion runs of a language model,
         decoding tokens/s at the evaluation length and four times it."""
@@ -428,7 +447,8 @@ class _Stage:
         limit = model.max_positions
         report = KVCacheReport(
             unit=cfg.unit, group_score=cfg.group_score if cfg.unit == "kv-group" else None,
-            selection=cfg.method, demoted=demoted_heads(pruned),
+            selection=f"{cfg.demote_by} detector" if cfg.demote_by else cfg.method,
+            demoted=demoted_heads(pruned),
             sinks=cfg.sinks if cfg.demote else None,
             window=cfg.window if cfg.demote else None,
             eval_length=self.seq_len, max_length=limit,
@@ -436,8 +456,7 @@ class _Stage:
                                   pruned.kv_cache_bytes_per_token(self.seq_len)),
             bytes_per_token_max=(model.kv_cache_bytes_per_token(limit),
                                  pruned.kv_cache_bytes_per_token(limit)),
-            # removing the demoted groups instead: the schedule's last masked point
-            quality_removed=res.curve[-1].quality if cfg.demote else None)
+            quality_removed=quality_removed)  # the demoted groups removed instead
         if (cfg.unit == "kv-group" or cfg.demote) and objective_for(model).generates:
             log.info("timing decoding steps before and after")
             contexts = sorted({self.seq_len, min(4 * self.seq_len, limit)})

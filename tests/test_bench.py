@@ -155,6 +155,63 @@ def test_references_compute_the_same_function(tiny_run):
     gen = by["generate"].checks
     assert gen["new_tokens"] == {"headlab": 8, "headlab_torch_products": 8, "transformers": 8}
     assert gen["kernel_and_torch_products_agree_before_first_difference"] == 8
+    # the tiny random Llama has no tokenizer: no needle, and the run says so
+    assert gen["long_needle"] == "not measured: the model has no tokenizer"
+
+
+def test_long_context_needle_runs_the_same_prompts_on_the_three_models(gqa_dir):
+    """The needle half on a tiny Llama with a tokenizer: one grid per model, past the
+    demoted heads' 2 sinks + 8 window; a random model finds no needle, so removal loses
+    nothing and the target is not judged rather than passed."""
+    import headlab
+    from headlab.bench.long_context import LongContextSizes, long_context_section
+
+    sizes = LongContextSizes(contexts=(32,), steps=2, sinks=2, window=8, scoring_tokens=64,
+                             scoring_seq=32, needle_lengths=(64, 128, 1024),
+                             needle_depths=(0.0, 0.5, 1.0), needle_trials=2)
+    res = BenchResult.of_sizes("generate", sizes)
+    long_context_section(res, headlab.load(gqa_dir), sizes, "cpu")
+    grids = res.checks["long_needle"]
+    assert set(grids) == {"before", "pruned", "demoted"}
+    for grid in grids.values():  # 1024 is past the model's 256 positions: left out
+        assert grid["lengths"] == [64, 128] and grid["depths"] == [0.0, 0.5, 1.0]
+        assert grid["trials"] == 2 and grid["filler"].startswith("the held-out tokens")
+        assert len(grid["accuracy"]) == 2 and all(len(row) == 3 for row in grid["accuracy"])
+    for name in grids:
+        fig = res.figures[f"long_{name}_needle_accuracy"]
+        assert fig.median == pytest.approx(
+            sum(map(sum, grids[name]["accuracy"])) / 6, abs=1e-12)
+    assert res.figures["long_before_needle_accuracy"].median == 0.0
+    assert "long_needle_lost_demoted_over_removed" not in res.figures
+    assert res.checks["long_needle_target"].startswith("not judged: removing the groups "
+                                                       "lost nothing")
+    assert "long_context_needle" in res.method
+
+
+@pytest.mark.parametrize(("removed", "demoted", "ratio", "meets"), [
+    (0.5, 0.2, 0.4, True),  # demotion loses 0.4 of what removal loses
+    (0.5, 0.3, 0.6, False),
+    (0.5, -0.1, -0.2, True),  # demotion gains
+])
+def test_the_lost_ratio_target_is_demotion_over_removal(removed, demoted, ratio, meets):
+    from headlab.bench.long_context import QUALITY_TARGET, _lost_ratio
+
+    res = BenchResult("generate")
+    _lost_ratio(res, "long_needle", removed=removed, demoted=demoted, what="needle")
+    (t,) = res.targets
+    assert (t.figure, t.target, t.op) == ("long_needle_lost_demoted_over_removed",
+                                          QUALITY_TARGET, "<=")
+    assert t.ratio == pytest.approx(ratio, rel=1e-12) and t.meets is meets
+
+
+@pytest.mark.parametrize("removed", [0.0, -0.25])
+def test_the_lost_ratio_is_undefined_where_removal_loses_nothing(removed):
+    from headlab.bench.long_context import _lost_ratio
+
+    res = BenchResult("generate")
+    _lost_ratio(res, "long_needle", removed=removed, demoted=0.5, what="needle")
+    assert res.targets == [] and res.figures == {}
+    assert "ratio is undefined" in res.checks["long_needle_target"]
 
 
 def _paired(fig: Figure, num: Figure, den: Figure) -> None:

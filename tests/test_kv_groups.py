@@ -180,6 +180,9 @@ def test_kv_group_on_a_model_without_gqa_prunes_single_heads(tiny_gpt2_dir, capl
     ({"unit": "kv-group", "kv_keep": 0.5, "demote": True, "sinks": -1},
      "--sinks must be >= 0"),
     ({"keep": 0.5, "demote": True}, "add --unit kv-group"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "demote_by": "retrieval"}, "add --demote"),
+    ({"unit": "kv-group", "kv_keep": 0.5, "demote": True, "demote_by": "cls"},
+     "unknown detector 'cls'; choose from previous-token"),
 ])
 def test_bad_kv_cache_options_say_what_to_do(kw, match):
     with pytest.raises(UserError, match=match):
@@ -214,6 +217,69 @@ def test_demote_run_records_the_cache_and_keeps_the_demotion(gqa_dir, tmp_path):
     assert back.kv_cache == kv
     build_report(back, tmp_path / "r.html")
     assert "demoted (streaming) heads" in (tmp_path / "r.html").read_text()
+
+
+@pytest.mark.parametrize("group_score", ["sum", "max"])
+def test_demote_by_a_detector_demotes_its_lowest_scoring_groups(gqa_dir, tmp_path,
+                                                                group_score):
+    from headlab.detectors import detect
+    from headlab.pruning import trial
+    from headlab.runs import _Stage, build_data, load_model, run
+
+    cfg = RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=0.5, demote=True,
+                    demote_by="sink", group_score=group_score, sinks=2, window=8,
+                    max_tokens=1024, seq_len=32, step=0.5, decode_steps=2,
+                    out=str(tmp_path / "run"))
+    out, result = run(cfg)
+    # the run's detector: sink scores at the model's 256 positions capped to 128 tokens
+    scores = detect(headlab.load(gqa_dir), "sink", seq_len=128, seed=0).tensor()  # (L, H)
+    reduce = torch.sum if group_score == "sum" else torch.amax
+    ranked = sorted((float(reduce(scores[layer, g])), layer, g)
+                    for layer, layer_groups in enumerate(GROUPS) for g in layer_groups)
+    assert ranked[2][0] < ranked[3][0]  # no tie at the cut: the lowest 3 of 6 are known
+    lowest: dict[int, list[int]] = {}
+    for _, layer, g in ranked[:3]:
+        lowest[layer] = sorted(lowest.get(layer, []) + g)
+    kv = result.kv_cache
+    assert kv.demoted == lowest
+    assert kv.selection == "sink detector"
+    assert result.kept_heads == {layer: [h for h in range(6) if h not in lowest.get(layer, [])]
+                                 for layer in range(2)}
+    # "removed instead" is the held-out quality with the detector's groups masked
+    model = load_model(cfg.validated())
+    _, heldout, _ = build_data(cfg, model)
+    stage = _Stage(cfg, out, model, heldout, heldout, 32)
+    with trial(model, stage._demotion(None, 3)[0]):
+        expected = headlab.evaluate(model, heldout, batch_size=cfg.batch_size).value
+    assert kv.quality_removed == pytest.approx(expected, rel=1e-6)
+    assert "chosen by sink detector" in (out / "report.html").read_text()
+
+
+def test_the_command_demotes_by_the_retrieval_detector(gqa_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "headlab", "prune", "--unit", "kv-group", "--kv-keep",
+            "0.5", "--demote-by", "retrieval"]
+    # refused before any model loads: this one does not exist
+    r = subprocess.run([*base, "--model", str(tmp_path / "nowhere"), "--out",
+                        str(tmp_path / "refused")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: --demote-by chooses the groups --demote demotes: add --demote (or drop "
+        "--demote-by)"]
+    assert not (tmp_path / "refused").exists()
+    r = subprocess.run([*base, "--demote", "--model", str(gqa_dir), "--sinks", "2",
+                        "--window", "8", "--max-tokens", "1024", "--seq-len", "32",
+                        "--step", "0.5", "--quiet", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    kv = json.loads((tmp_path / "run" / "results.json").read_text())["kv_cache"]
+    assert kv["selection"] == "retrieval detector"
+    assert sum(len(v) for v in kv["demoted"].values()) == 6  # 3 of 6 groups of 2
+    assert "chosen by retrieval detector" in (tmp_path / "run" / "report.html").read_text()
 
 
 def test_predicted_speedup_scales_the_attention_share_by_the_keys_read():

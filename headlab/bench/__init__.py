@@ -14,8 +14,9 @@ same process, on the same weights and inputs, timed as `headlab._timing` describ
     generate    SmolLM2 greedy decoding tokens/s with the decoding kernel vs torch's
                 products and vs transformers' generate; the fraction of the
                 memory-bandwidth bound; long context: tokens/s, cache bytes and held-out
-                perplexity at 512, 2048 and 8192 tokens before and after kv-group pruning
-                and demotion of half the groups (`headlab.bench.long_context`)
+                perplexity at 512, 2048 and 8192 tokens, and needle accuracy at 1024 and
+                2048, before and after kv-group pruning and demotion of half the groups
+                (`headlab.bench.long_context`)
     quality     held-out quality lost when pruning with michel vs with random scores
                 (3 seeds), on the real bundled SmolLM2 and MiniLM; not a timing
     recovery    held-out loss kept after the default repair (lsq) / without it, at keep
@@ -100,7 +101,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pruning": PruningSizes(shapes=((16, 16), (1, 16)), repeats=5),
         "generate": GenerateSizes(new_tokens=32, repeats=3, copy_mib=256,
                                   long_context=LongContextSizes(contexts=(512, 2048),
-                                                                steps=8)),
+                                                                steps=8, needle_trials=1)),
         "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048)),
                                 validate=(("minilm-l6", 64, 1024),)),
         "recovery": RecoverySizes(runs=(("smollm2-135m", 64, 1024, ()),
@@ -120,7 +121,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "generate": GenerateSizes(model=TINY_LLAMA, prompt=4, new_tokens=8, repeats=3,
                                   copy_mib=4, long_context=LongContextSizes(
                                       contexts=(32, None), steps=3, sinks=2, window=8,
-                                      scoring_tokens=64, scoring_seq=32)),
+                                      scoring_tokens=64, scoring_seq=32,
+                                      needle_lengths=(64, 128), needle_depths=(0.0, 1.0),
+                                      needle_trials=1)),
         "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4, validate=()),
         "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4),
     },

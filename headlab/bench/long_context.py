@@ -7,7 +7,9 @@ same groups demoted to a sink + window cache. At each context: batch-1 greedy de
 tokens/s (steps interleaved across the three, `headlab.cache_report.decode_step_times`),
 cache bytes held against the prediction from the kept groups, cache memory allocated;
 at the longest context, the share of a decoding step spent in attention proper and the
-speed-up demotion should give by it; and held-out perplexity of one long block.
+speed-up demotion should give by it; held-out perplexity of one long block; and
+needle-in-a-haystack accuracy (`headlab.needle`, its filler the held-out text) on a grid
+of lengths, by default past the demoted heads' sinks + window.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ __all__ = ["LongContextSizes", "long_context_section"]
 
 # speed-up after demotion / the speed-up the attention share predicts, at the longest context
 SPEEDUP_TARGET = 0.8
-# perplexity lost by demoting the groups / lost by removing them
+# perplexity (and needle accuracy) lost by demoting the groups / lost by removing them
 QUALITY_TARGET = 0.5
 
 
@@ -33,8 +35,8 @@ QUALITY_TARGET = 0.5
 class LongContextSizes:
     """Contexts (capped by the model's positions, ``None`` = the model's limit), decoding
     steps timed per context, the fraction of key/value heads kept, the demoted heads'
-    budget, the scoring tokens and the held-out block's length (``None``: the longest
-    context)."""
+    budget, the scoring tokens, the held-out block's length (``None``: the longest
+    context) and the needle grid (lengths past the model's limit are left out)."""
 
     contexts: tuple[int | None, ...] = (512, 2048, None)
     steps: int = 16
@@ -44,17 +46,30 @@ class LongContextSizes:
     scoring_tokens: int = 2048
     scoring_seq: int = 256
     quality_len: int | None = None
+    needle_lengths: tuple[int, ...] = (1024, 2048)
+    needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    needle_trials: int = 2
 
 
-def _tokens(model, n: int, seed: int) -> tuple[torch.Tensor, str]:
+def _tokenizer(model):
+    """The model's tokenizer, or, as the bench loads weights only, the one `headlab.load`
+    finds at the model's source; None where there is none."""
+    if model.tokenizer is not None or getattr(model, "source", None) is None:
+        return model.tokenizer
+    from headlab.models.loading import load
+
+    return load(model.source).tokenizer
+
+
+def _tokens(model, tok, n: int, seed: int) -> tuple[torch.Tensor, str]:
     """A (n,) token stream: the bundled text, repeated to length if it is short; random
-    tokens for a model without a tokenizer."""
-    if model.tokenizer is None:
+    tokens where there is no tokenizer."""
+    if tok is None:
         return torch.randint(0, model.config.vocab_size, (n,),
                              generator=torch.Generator().manual_seed(seed)), "random tokens"
     from headlab.data import bundled_text
 
-    ids = torch.tensor(model.tokenizer(bundled_text())["input_ids"])
+    ids = torch.tensor(tok(bundled_text())["input_ids"])
     reps = math.ceil(n / ids.numel())
     what = "bundled text" if reps == 1 else f"bundled text repeated {reps}x"
     return ids.repeat(reps)[:n], what
@@ -105,11 +120,14 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
     # the prompt lengths: each context, or as much of the model's limit as the steps leave
     contexts = sorted({min(c or limit, limit - steps - 1) for c in sizes.contexts})
     quality_len = min(sizes.quality_len or max(contexts), limit)
-    stream, source = _tokens(model, sizes.scoring_tokens + quality_len, seed=5)
+    held_len = max((quality_len, *sizes.needle_lengths))  # the needle's filler too
+    tok = _tokenizer(model)
+    stream, source = _tokens(model, tok, sizes.scoring_tokens + held_len, seed=5)
     stream = stream.to(device)
     n_blocks = sizes.scoring_tokens // sizes.scoring_seq
     scoring = stream[: n_blocks * sizes.scoring_seq].view(n_blocks, sizes.scoring_seq)
-    heldout = stream[sizes.scoring_tokens:][None]  # (1, quality_len), after the scoring
+    held = stream[sizes.scoring_tokens:]  # (held_len,), after the scoring tokens
+    heldout = held[:quality_len][None]  # (1, quality_len)
     scores = score(model, Blocks(scoring, torch.ones_like(scoring)), method="michel",
                    batch_size=4)
     groups = kv_groups(model)
@@ -162,16 +180,69 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
                         f"({share:.2f}) predicts ({predicted:.2f}x)")
     ppl = {name: _perplexity(m, heldout) for name, m in models.items()}
     res.checks["long_perplexity"] = ppl
-    lost_removed = ppl["pruned"] - ppl["before"]
-    lost_demoted = ppl["demoted"] - ppl["before"]
-    if not lost_removed > 0:  # removing the groups cost nothing: no ratio to hold
-        res.checks["long_quality_target"] = "not judged: removing the groups lost nothing"
+    _lost_ratio(res, "long_quality", removed=ppl["pruned"] - ppl["before"],
+                demoted=ppl["demoted"] - ppl["before"],
+                what=f"held-out perplexity lost at {quality_len} tokens: demoting the "
+                     "groups / removing them")
+    _needle_half(res, models, tok, held, sizes, source)
+
+
+def _needle_half(res: BenchResult, models: dict[str, Any], tok, held: torch.Tensor,
+                 sizes: LongContextSizes, source: str) -> None:
+    """Needle accuracy of the three models on the same prompts, their filler the
+    held-out tokens ``held`` (T,), and the target on demotion's loss over removal's."""
+    from headlab.data import TextData
+    from headlab.needle import needle_test
+
+    limit = models["before"].max_positions
+    # a length must leave the needle's 8 answer tokens within the model's positions
+    lengths = [n for n in sizes.needle_lengths if n + 8 <= limit]
+    if tok is None or not lengths:
+        res.checks["long_needle"] = "not measured: " + (
+            "the model has no tokenizer" if tok is None
+            else f"no needle length fits the model's {limit} positions")
         return
-    res.add("long_quality_lost_demoted_over_removed", [lost_demoted / lost_removed], "x")
-    res.add_target("long_quality_lost_demoted_over_removed", target=QUALITY_TARGET, op="<=",
-                   what=f"held-out perplexity lost at {quality_len} tokens: demoting the "
-                        "groups / removing them (the needle-in-a-haystack half of this "
-                        "target waits for the evaluation-protocol work)")
+    filler = TextData([tok.decode(held.tolist())], spec=f"the held-out tokens ({source})")
+    depths = list(sizes.needle_depths)
+    grids = {}
+    for name, m in models.items():
+        own, m.tokenizer = m.tokenizer, tok  # the bench's models come without one
+        try:
+            # one prompt at a time: a left-padded row's pads would fill the demoted sinks
+            grids[name] = needle_test(m, lengths=lengths, depths=depths,
+                                      trials=sizes.needle_trials, filler=filler, seed=0,
+                                      batch_size=1)
+        finally:
+            m.tokenizer = own
+    res.method["long_context_needle"] = (
+        f"headlab.needle.needle_test at {lengths} tokens, fact at depths {depths}, "
+        f"{sizes.needle_trials} prompt(s) per cell (seed 0, the same prompts for every "
+        f"model), filler = {filler.spec}, greedy answers one prompt at a time; accuracy = "
+        "exact-match fraction over the grid; lost = the unpruned accuracy - the model's")
+    res.checks["long_needle"] = {name: g.to_json() for name, g in grids.items()}
+    for name, g in grids.items():
+        res.add(f"long_{name}_needle_accuracy", [g.mean], "fraction")
+    before = grids["before"].mean
+    _lost_ratio(res, "long_needle", removed=before - grids["pruned"].mean,
+                demoted=before - grids["demoted"].mean,
+                what=f"needle accuracy lost at {'/'.join(map(str, lengths))} tokens: "
+                     "demoting the groups / removing them")
+
+
+def _lost_ratio(res: BenchResult, prefix: str, *, removed: float, demoted: float,
+                what: str) -> None:
+    """The target ``<prefix>_lost_demoted_over_removed`` <= `QUALITY_TARGET`: what
+    demoting the groups loses over what removing them loses. Where removal loses
+    nothing the ratio is undefined: no figure and no target, and the check
+    ``<prefix>_target`` says so (it is not a pass)."""
+    if not removed > 0:
+        res.checks[f"{prefix}_target"] = (
+            f"not judged: removing the groups lost nothing ({removed:+.4g}; demoting "
+            f"them {demoted:+.4g}), so the ratio is undefined")
+        return
+    res.add(f"{prefix}_lost_demoted_over_removed", [demoted / removed], "x")
+    res.add_target(f"{prefix}_lost_demoted_over_removed", target=QUALITY_TARGET, op="<=",
+                   what=what)
 
 
 def _cache_figures(res: BenchResult, models: dict[str, Any], caches: dict[str, Any],
