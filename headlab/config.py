@@ -21,6 +21,7 @@ from headlab.importance import METHODS, PER_TOKEN_METHODS
 from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.protocol import PROTOCOLS
 from headlab.recovery import RECOVERY_METHODS, TRAINING_FREE
+from headlab.recovery.distill import LORA_SHARDED
 from headlab.recovery.distill import PARAMS as RECOVER_PARAMS
 from headlab.schedule import UNITS
 from headlab.selection import GROUP_SCORES
@@ -161,13 +162,14 @@ class RunConfig:
         if self.shard is not None and self.shard not in SHARDING:
             raise UserError(f"--shard must be {' or '.join(SHARDING)}, got {self.shard!r}")
         if self.shard is not None and self.command == "prune":
-            given = [flag for flag, on in (("--recover distill", self.recover == "distill"),
-                                           ("--recover-every-step", self.recover_every_step),
+            given = [flag for flag, on in (("--recover-every-step", self.recover_every_step),
                                            ("--export", self.export is not None)) if on]
             if given:
-                raise UserError(f"a sharded prune repairs once, after pruning, with bias, lsq "
-                                f"or rescale, and does not export: drop {', '.join(given)} "
-                                "(distil or export model/ unsharded, where it fits)")
+                raise UserError(f"a sharded prune repairs once, after pruning, and does not "
+                                f"export: drop {', '.join(given)} (export model/ unsharded, "
+                                "where it fits)")
+            if self.recover == "distill" and self.recover_params == "lora":
+                raise UserError(LORA_SHARDED)
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

@@ -10,8 +10,9 @@ Methods (`RECOVERY_METHODS`):
     distill  a short knowledge distillation toward the reference (`distill`)
 
 The first four need no training and share one walk over the layers
-(`headlab.recovery.layerwise`), which also runs on models sharded by FSDP2 (every
-rank calls `recover` in lockstep; `headlab.recovery.sharded`); distill does not.
+(`headlab.recovery.layerwise`). All run on models sharded by FSDP2, every rank calling
+`recover` in lockstep (`headlab.recovery.sharded`); distill there with its parameters
+``out``, ``attention`` or ``all``, not LoRA.
 Recovery only reads the scoring split; quality is measured on held-out data elsewhere.
 """
 
@@ -34,7 +35,7 @@ from headlab.recovery.lsq import (
     solve_ridge,
 )
 from headlab.recovery.report import LayerError, RecoveryReport
-from headlab.recovery.sharded import is_fsdp
+from headlab.recovery.sharded import RowWriter, is_fsdp
 
 __all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "TRAINING_FREE", "LayerError",
            "RecoveryReport", "recover", "solve_ridge"]
@@ -69,10 +70,6 @@ def recover(
         raise UserError(f"unknown recovery method {method!r}; choose one of "
                         f"{', '.join(RECOVERY_METHODS)}")
     if method == "distill":
-        if is_fsdp(pruned):
-            raise UserError("recovery 'distill' trains the whole model and does not run on "
-                            "one sharded by --shard fsdp: repair it with lsq, bias or "
-                            "rescale, or distil it unsharded where it fits")
         return _distill(pruned, reference, blocks, batch_size=batch_size, ridge=ridge,
                         **options)
     if options:
@@ -106,13 +103,19 @@ def _distill(pruned, reference, blocks, *, batch_size: int, ridge: float | None,
         raise UserError(f"distill starts from 'lsq' or 'none', got start={start!r}")
     begin = time.perf_counter()
     # lsq replaces the projections it refits and never writes into them: these put
-    # its fit back
+    # its fit back; sharded, it writes into their rows, kept here
     originals = refitted(pruned)
+    rows = RowWriter()
+    if is_fsdp(pruned):
+        for _, _, lin in originals:
+            rows.keep(lin, "weight")
+            rows.keep(lin, "bias")
     first = (recover(pruned, reference, blocks, method="lsq", batch_size=batch_size,
                      ridge=ridge) if start == "lsq" else None)
     try:
         summary = distill(pruned, reference, blocks, batch_size=batch_size, **options)
     except BaseException:
+        rows.undo()
         for owner, name, module in originals:
             setattr(owner, name, module)
         raise

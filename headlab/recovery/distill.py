@@ -17,6 +17,13 @@ Only a chosen set of parameters trains (`PARAMS`); head gates are buffers and ne
 do. AdamW without weight decay (decay would move weights the loss does not touch,
 such as those of a masked head), the model in eval mode (no dropout: a resumed run
 repeats the uninterrupted one bit for bit), batches in an order fixed by ``seed``.
+
+On a model sharded by FSDP2 (`headlab.sharding`) every rank runs every step in
+lockstep, teacher sharded too: each computes the same loss, FSDP averages the equal
+gradients over the ranks, and AdamW, element by element, updates each rank's rows
+(DTensors) as one process would update the whole. The checkpoint, one file per rank,
+holds that rank's rows and their optimizer state, so a resume needs the same ranks.
+LoRA does not run sharded.
 """
 
 from __future__ import annotations
@@ -35,11 +42,14 @@ from headlab.data import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.objectives import Objective, objective_for
+from headlab.recovery.sharded import all_sum, is_fsdp, local
 
 PARAMS = ("out", "attention", "all", "lora")
 _PROJECTIONS = {"out": ("o_proj",), "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
                 "lora": ("q_proj", "k_proj", "v_proj", "o_proj")}
 _LORA_MISSING = "--recover-params lora needs the peft package: pip install peft"
+LORA_SHARDED = ("--recover-params lora does not run with --shard fsdp (peft does not adapt "
+                "fully_shard units): use --recover-params out, attention or all")
 _ADAPTER = "distill"
 
 
@@ -99,9 +109,11 @@ def distill(
     # enough of the blocks to tell a checkpoint of other data
     data = [len(blocks), blocks.n_tokens, int(blocks.input_ids.sum())]
 
+    if is_fsdp(pruned):  # a root left gathered (lsq's `ready`) puts the gathered copies of
+        pruned.reshard()  # tied weights in their modules: the sharded ones are what trains
     modes = (pruned.training, reference.training)
     requires = {name: p.requires_grad for name, p in pruned.named_parameters()}
-    lora, before = None, {}
+    lora, trainable, before = None, {}, {}
     start, losses, seconds = 0, [], 0.0
     done, updating, t0 = 0, False, time.perf_counter()
 
@@ -110,8 +122,8 @@ def distill(
             checkpoint.put(checkpoint_key, {
                 "step": done, "losses": losses, "options": options, "data": data,
                 "seconds": seconds + time.perf_counter() - t0,
-                "trainable": {n: p.detach() for n, p in trainable.items()},
-                "optimizer": optimizer.state_dict(),
+                "trainable": {n: local(p).detach() for n, p in trainable.items()},
+                "optimizer": _local_state(optimizer),
             })
 
     label = _LossLabel("distilling", math.nan)
@@ -122,7 +134,8 @@ def distill(
             lora = _add_lora(pruned, lora_rank, seed) if params == "lora" else None
             trainable = _trainable(pruned, params)
             # what to put back on failure; LoRA leaves the base weights alone until merged
-            before = {} if lora else {n: p.detach().clone() for n, p in trainable.items()}
+            before = {} if lora else {n: local(p).detach().clone()
+                                      for n, p in trainable.items()}
             for p in pruned.parameters():
                 p.requires_grad_(False)
             for p in trainable.values():
@@ -134,8 +147,8 @@ def distill(
                 start, losses, seconds = saved["step"], list(saved["losses"]), saved["seconds"]
                 with torch.no_grad():
                     for name, p in trainable.items():
-                        p.copy_(saved["trainable"][name])
-                optimizer.load_state_dict(saved["optimizer"])
+                        local(p).copy_(saved["trainable"][name])
+                _load_state(optimizer, saved["optimizer"])
                 label.loss = losses[-1] if losses else math.nan
             done = start
             for step in track(range(start, len(schedule)), total=len(schedule) - start,
@@ -152,8 +165,10 @@ def distill(
                         raise UserError(_not_finite("loss", micro.item(), step + 1))
                     micro.backward()
                     loss += micro.item()
-                norms = [p.grad.norm() for p in trainable.values() if p.grad is not None]
-                if norms and not torch.isfinite(torch.stack(norms).sum()):
+                # sharded: each rank holds some rows of each gradient; all must agree
+                norms = [local(p.grad).norm() for p in trainable.values()
+                         if p.grad is not None]
+                if norms and not torch.isfinite(all_sum(pruned, torch.stack(norms).sum())):
                     raise UserError(_not_finite("gradient", math.nan, step + 1))
                 updating = True  # an interrupt now would leave half-updated weights
                 optimizer.step()
@@ -171,13 +186,15 @@ def distill(
                 if isinstance(exc, KeyboardInterrupt) and not updating and done > start:
                     save()
             finally:
-                _restore(pruned, lora, before)
+                _restore(trainable, lora, before)
             raise
         if done > start:
             save()
         if lora is not None:
             lora.merge_and_unload(safe_merge=True)
     finally:
+        if is_fsdp(pruned):
+            pruned.reshard()
         for name, p in pruned.named_parameters():
             p.requires_grad_(requires.get(name, False))
         pruned.train(modes[0])
@@ -253,15 +270,36 @@ def _add_lora(model: HeadModel, rank: int, seed: int):
         return LoraModel(model, config, _ADAPTER)
 
 
-def _restore(model: HeadModel, lora, before: dict[str, torch.Tensor]) -> None:
+def _restore(trainable: dict[str, nn.Parameter], lora, before: dict[str, torch.Tensor]) -> None:
     """Put the weights back as they were before `distill` (LoRA: drop the adapters)."""
     if lora is not None:
         lora.unload()
         return
-    params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in before.items():
-            params[name].copy_(value)
+            local(trainable[name]).copy_(value)
+
+
+def _local_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict, each DTensor state as this rank's rows."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: local(v) for k, v in s.items()}
+                      for i, s in state["state"].items()}
+    return state
+
+
+def _load_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load `_local_state`'s dict, each state of a sharded parameter made a DTensor
+    with the parameter's rows again."""
+    from torch.distributed.tensor import DTensor
+
+    optimizer.load_state_dict(state)
+    for p, s in optimizer.state.items():
+        if isinstance(p, DTensor):
+            for k, v in s.items():
+                if k != "step" and not isinstance(v, DTensor):
+                    s[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                              stride=p.stride(), run_check=False)
 
 
 # ---------------------------------------------------------------- batches
@@ -287,6 +325,8 @@ def _validate(pruned, reference, blocks, objective, *, tokens, params, temperatu
               batch_size, accumulate, lora_rank) -> None:
     if params not in PARAMS:
         raise UserError(f"unknown --recover-params {params!r}; choose from {', '.join(PARAMS)}")
+    if params == "lora" and is_fsdp(pruned):
+        raise UserError(LORA_SHARDED)
     if tokens is not None and tokens <= 0:
         raise UserError(f"--recover-tokens must be a positive number of tokens, got {tokens}")
     for name, value in (("temperature", temperature), ("learning rate", lr)):
@@ -318,7 +358,7 @@ def _not_finite(what: str, value: float, step: int) -> str:
 def _check_resumable(saved: dict, options: dict, data: list[int], trainable: dict,
                      checkpoint: Checkpoint) -> None:
     """Refuse a checkpoint that another distillation (options, data, model) wrote."""
-    shapes = {n: tuple(p.shape) for n, p in trainable.items()}
+    shapes = {n: tuple(local(p).shape) for n, p in trainable.items()}  # sharded: the rows
     saved_shapes = {n: tuple(t.shape) for n, t in saved["trainable"].items()}
     if saved["options"] != options or saved["data"] != data or saved_shapes != shapes:
         changed = sorted(k for k in options if saved["options"].get(k) != options[k])

@@ -20,6 +20,9 @@ alone, which FSDP's hooks (on the block's own forward) do not gather for. So:
   kept on the CPU, so a failure puts them back. A bias that recovery gives a W_O
   without one is a plain parameter, whole on every rank (E values, as the gates are),
   outside FSDP's units.
+
+Distillation (`headlab.recovery.distill`) trains the sharded parameters as they are,
+through FSDP's own forward and backward; `local` and `all_sum` serve it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -86,10 +90,15 @@ class RowWriter:
                 self._write(lin, "bias", bias, mesh)
         block.unshard()
 
-    def _write(self, module: nn.Module, name: str, value: torch.Tensor, mesh) -> None:
+    def keep(self, module: nn.Module, name: str) -> None:
+        """Keep ``module.name``'s rows as they are now (or that it has none) for `undo`."""
         param = getattr(module, name)
-        self.saved.append((module, name, _local(param).detach().to("cpu", copy=True)))
-        _set_rows(param, value, mesh)
+        self.saved.append((module, name, None if param is None
+                           else local(param).detach().to("cpu", copy=True)))
+
+    def _write(self, module: nn.Module, name: str, value: torch.Tensor, mesh) -> None:
+        self.keep(module, name)
+        _set_rows(getattr(module, name), value, mesh)
 
     @torch.no_grad()
     def undo(self) -> None:
@@ -99,11 +108,20 @@ class RowWriter:
             if rows is None:
                 setattr(module, name, None)
             else:
-                _local(getattr(module, name)).copy_(rows)
+                local(getattr(module, name)).copy_(rows)
         self.saved.clear()
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
+def all_sum(model: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over the ranks where ``model`` is sharded (itself elsewhere)."""
+    if not is_fsdp(model):
+        return value
+    value = value.clone()
+    dist.all_reduce(value)
+    return value
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
     """The rows of ``param`` this rank holds (all of a tensor that is not sharded)."""
     from torch.distributed.tensor import DTensor
 
@@ -117,9 +135,9 @@ def _set_rows(param: torch.Tensor, value: torch.Tensor, mesh) -> None:
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     placements = param.placements if isinstance(param, DTensor) else [Replicate()]
-    value = value.to(device=_local(param).device, dtype=param.dtype)
+    value = value.to(device=local(param).device, dtype=param.dtype)
     rows = distribute_tensor(value, mesh, placements).to_local()
-    local = _local(param)
-    if rows.shape != local.shape:
-        raise RuntimeError(f"rows {tuple(rows.shape)} for a shard of {tuple(local.shape)}")
-    local.copy_(rows)
+    mine = local(param)
+    if rows.shape != mine.shape:
+        raise RuntimeError(f"rows {tuple(rows.shape)} for a shard of {tuple(mine.shape)}")
+    mine.copy_(rows)
