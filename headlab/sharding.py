@@ -303,9 +303,7 @@ def save_sharded(model: HeadModel, directory: str | Path,
     rest = {k: _whole(v) for k, v in model.state_dict().items() if not k.startswith("blocks.")}
     if main:
         name = f"model-{n + 1:05d}-of-{n + 1:05d}.safetensors"
-        # each name of a tied weight was gathered into its own copy, as safetensors wants
-        save_file({k: v.contiguous() for k, v in rest.items()},
-                  str(directory / name), metadata={"format": "pt"})
+        save_file(_unshared(rest), str(directory / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in rest})
         atomic_write_text(directory / "model.safetensors.index.json", json.dumps(
             {"metadata": {"format": "pt"}, "weight_map": weight_map}, indent=2))
@@ -317,6 +315,20 @@ def save_sharded(model: HeadModel, directory: str | Path,
             model.tokenizer.save_pretrained(str(directory))
     distributed.barrier()
     return directory
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each name its own contiguous tensor, as safetensors wants: the names of a tied
+    weight gather into one copy each on several ranks, but share one on a single rank."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        if v.untyped_storage().data_ptr() in seen:
+            v = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
+        out[k] = v
+    return out
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -306,6 +306,18 @@ def test_one_rank_fsdp_scores_prunes_and_guards(one_rank_group, tiny_llama_shard
         sharding.load_sharded(tiny_llama_shards, batch_size=10**6, seq_len=128)
 
 
+def test_one_rank_fsdp_saves_a_tied_gpt2(one_rank_group, tiny_gpt2_dir, tmp_path):
+    """One rank's gathered tied embedding and head share their storage, which
+    safetensors refuses: each name is written as its own tensor, and the model reads
+    back equal to the unsharded one."""
+    one = headlab.load(tiny_gpt2_dir)
+    model, _ = sharding.load_sharded(tiny_gpt2_dir)
+    sharding.save_sharded(model, tmp_path / "saved")
+    saved = headlab.load(tmp_path / "saved")
+    for k, v in one.state_dict().items():
+        torch.testing.assert_close(saved.state_dict()[k], v, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------- repair, detect
 def _halves(model):
     """Five scoring blocks and five held-out ones, 32 tokens each."""
