@@ -3,7 +3,8 @@ runs that would not fit, before any weight is read.
 
 Per rank, with the weights sharded over W ranks by FSDP (`headlab.sharding`):
 
-    parameters   all parameters / W
+    parameters   all parameters / W, once per model a rank holds (a prune keeps the
+                 pruned model beside the one it came from: ``models=2``)
     gathered     what stays in the root unit (the final norm, tied embeddings), gathered
                  for the whole forward, and two whole units: the one computing and the
                  next, which FSDP prefetches (none when W = 1); the units are the
@@ -16,7 +17,8 @@ Per rank, with the weights sharded over W ranks by FSDP (`headlab.sharding`):
 
 Every rank sees every batch under sharding, so activations do not shrink with W. The
 count is an estimate (attention through SDPA, no S x S matrices; no allocator slack):
-the guard leaves a tenth of the device free for what it leaves out.
+the guard leaves a tenth of the device free for what it leaves out. Nor does it count
+a distillation's gradients and optimizer state.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def units(model: HeadModel) -> list[nn.Module]:
 
 
 def estimate(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,
-             backward: bool, dtype: torch.dtype) -> Estimate:
-    """Per-rank memory for ``model`` (real or on the meta device) in ``dtype``."""
+             backward: bool, dtype: torch.dtype, models: int = 1) -> Estimate:
+    """Per-rank memory for ``model`` (real or on the meta device) in ``dtype``, with
+    ``models`` models of its size sharded on each rank."""
     size = torch.finfo(dtype).bits // 8
     per_block = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     per_unit = [sum(p.numel() for p in unit.parameters()) for unit in units(model)]
@@ -87,8 +90,8 @@ def estimate(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,
     kept_blocks = model.n_layers if backward else 2
     activations = tokens * (kept_blocks * per_token * size + vocab * (size + 8))
     gathered = (root + 2 * max(per_unit)) * size if ranks > 1 else 0
-    return Estimate(ranks, batch_size, seq_len, -(-total // ranks) * size, int(gathered),
-                    int(activations))
+    return Estimate(ranks, batch_size, seq_len, models * -(-total // ranks) * size,
+                    int(gathered), int(activations))
 
 
 def available(device: str) -> int:
@@ -103,14 +106,14 @@ def available(device: str) -> int:
 
 def check_memory(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,
                  backward: bool, dtype: torch.dtype, device: str,
-                 limit: int | None = None) -> Estimate:
+                 limit: int | None = None, models: int = 1) -> Estimate:
     """The estimate, or a one-line UserError naming a batch size or a number of ranks
     that would fit when it exceeds ``limit`` (default: `HEADROOM` of `available`)."""
     limit = int(HEADROOM * available(device)) if limit is None else limit
 
     def need(r: int, b: int) -> Estimate:
         return estimate(model, ranks=r, batch_size=b, seq_len=seq_len, backward=backward,
-                        dtype=dtype)
+                        dtype=dtype, models=models)
 
     est = need(ranks, batch_size)
     if est.total <= limit:

@@ -64,9 +64,11 @@ def _now() -> str:
 
 def load_model(cfg: RunConfig) -> HeadModel:
     device, dtype = resolve_device(cfg.device), DTYPES[cfg.dtype]
-    if cfg.shard == "fsdp":  # the memory guard assumes the objective's longest blocks
+    if cfg.shard == "fsdp":  # the memory guard assumes the objective's longest blocks;
+        # a prune holds the pruned model beside this one
         return load_sharded(cfg.model, device=device, dtype=dtype, batch_size=cfg.batch_size,
-                            seq_len=cfg.seq_len or 256, backward=cfg.command != "eval")[0]
+                            seq_len=cfg.seq_len or 256, backward=cfg.command != "eval",
+                            models=2 if cfg.command == "prune" else 1)[0]
     return load(cfg.model, device=device, dtype=dtype)
 
 

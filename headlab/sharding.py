@@ -91,15 +91,17 @@ class Reads:
 
 def load_sharded(name_or_path: str | Path, *, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, batch_size: int | None = None,
-                 seq_len: int = 256, backward: bool = True) -> tuple[HeadModel, Reads]:
+                 seq_len: int = 256, backward: bool = True,
+                 models: int = 1) -> tuple[HeadModel, Reads]:
     """The model at ``name_or_path``, sharded, each rank holding only its rows.
 
     Where every headlab tensor is one checkpoint tensor renamed (headlab directories,
     Llama-family checkpoints), the model is built on the meta device and each rank
     reads only its rows through safetensors slices. Elsewhere (GPT-2's fused, transposed
     c_attn; a GGUF file not yet converted; hub ids) every rank loads the whole model,
-    then shards it. With ``batch_size``, `check_memory` refuses what would not fit,
-    before any weight is read (after, for a model read whole).
+    then shards it. With ``batch_size``, `check_memory` refuses what would not fit
+    (with ``models`` models of this size held per rank), before any weight is read
+    (after, for a model read whole).
     """
     from headlab.models.loading import BUNDLED, _tokenizer, bundled_path, gguf_cache_dir, load
 
@@ -112,7 +114,8 @@ def load_sharded(name_or_path: str | Path, *, device: str = "cpu",
     model = built[0] if built is not None else load(name_or_path, device=device, dtype=dtype)
     if batch_size is not None:
         check_memory(model, ranks=distributed.world_size(), batch_size=batch_size,
-                     seq_len=seq_len, backward=backward, dtype=dtype, device=device)
+                     seq_len=seq_len, backward=backward, dtype=dtype, device=device,
+                     models=models)
     if built is None:
         params = list(model.parameters())
         return shard(model), Reads(len(params), sum(p.numel() for p in params), sliced=False)

@@ -191,6 +191,19 @@ def test_units_leave_tied_weights_with_the_root():
     assert est.parameters == 4 * total // 2
 
 
+def test_a_prune_counts_the_pruned_model_beside_the_one_it_came_from():
+    """A sharded prune holds two models' shards per rank: the guard refuses a prune that
+    would not fit, where scoring the same model fits."""
+    model = _meta_llama(False)
+    kw = dict(ranks=2, batch_size=1, seq_len=128, backward=True, dtype=torch.bfloat16)
+    one, two = memory.estimate(model, **kw), memory.estimate(model, models=2, **kw)
+    assert two.parameters == 2 * one.parameters
+    assert (two.gathered, two.activations) == (one.gathered, one.activations)
+    memory.check_memory(model, device="cpu", limit=one.total, **kw)
+    with pytest.raises(UserError, match="^not enough memory"):
+        memory.check_memory(model, device="cpu", limit=one.total, models=2, **kw)
+
+
 def test_memory_guard_refuses_in_one_line_naming_what_fits():
     model = _meta_llama(False)
 
