@@ -30,13 +30,13 @@ from headlab.objectives import objective_for
 if TYPE_CHECKING:
     from headlab.models.base import HeadModel
 
-__all__ = ["DEFAULT_DEPTHS", "NeedleResult", "default_lengths", "needle_test"]
+__all__ = ["ANSWER_TOKENS", "DEFAULT_DEPTHS", "NeedleResult", "default_lengths", "needle_test"]
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MIN_LENGTH = 256
 _KEYS = ("blue door", "old lighthouse", "north gate", "red bicycle", "glass tower",
          "river barge", "night train", "copper kettle", "west garden", "stone bridge")
-_ANSWER_TOKENS = 8
+ANSWER_TOKENS = 8
 _NUMBER = re.compile(r"\d+")
 
 
@@ -130,9 +130,9 @@ def needle_test(model: HeadModel, *, lengths: list[int] | None = None,
                         f"got a {model.kind}")
     limit = model.max_positions
     lengths = list(lengths) if lengths is not None else default_lengths(limit)
-    too_long = [n for n in lengths if n + _ANSWER_TOKENS > limit]
+    too_long = [n for n in lengths if n + ANSWER_TOKENS > limit]
     if too_long or not lengths or min(lengths) < 64:
-        raise UserError(f"needle lengths must be >= 64 and leave {_ANSWER_TOKENS} tokens for "
+        raise UserError(f"needle lengths must be >= 64 and leave {ANSWER_TOKENS} tokens for "
                         f"the answer within the model's limit of {limit}; got {lengths}")
     if trials < 1 or not depths or any(not 0 <= d <= 1 for d in depths):
         raise UserError(f"needle trials must be >= 1 and depths in [0, 1]; got {trials}, "
@@ -166,7 +166,7 @@ def needle_test(model: HeadModel, *, lengths: list[int] | None = None,
 def _answers(model: HeadModel, prompts: list[str]) -> list[str]:
     """Greedy continuations of left-padded prompts on the KV cache."""
     tok = model.tokenizer
-    encoded = [tok(p)["input_ids"][-(model.max_positions - _ANSWER_TOKENS):] for p in prompts]
+    encoded = [tok(p)["input_ids"][-(model.max_positions - ANSWER_TOKENS):] for p in prompts]
     width = max(map(len, encoded))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ids = torch.full((len(encoded), width), pad, dtype=torch.long)  # (B, S)
@@ -175,5 +175,5 @@ def _answers(model: HeadModel, prompts: list[str]) -> list[str]:
         ids[r, width - len(row):] = torch.tensor(row)
         mask[r, width - len(row):] = 1
     out = generate(model, ids.to(model.device), attention_mask=mask.to(model.device),
-                   max_new_tokens=_ANSWER_TOKENS, pad_token_id=pad)
+                   max_new_tokens=ANSWER_TOKENS, pad_token_id=pad)
     return [tok.decode(row[width:], skip_special_tokens=True) for row in out.tolist()]

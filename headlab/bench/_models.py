@@ -100,7 +100,7 @@ class ModelCache:
         if spec.bundled is not None:
             from headlab.models.export import export_hf
 
-            model = headlab.load(spec.bundled, tokenizer=False)
+            model = headlab.load(spec.bundled)  # its tokenizer: the long-context text
             export_hf(model, path)
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=torch.float32, attn_implementation="sdpa")

@@ -51,19 +51,10 @@ class LongContextSizes:
     needle_trials: int = 2
 
 
-def _tokenizer(model):
-    """The model's tokenizer, or, as the bench loads weights only, the one `headlab.load`
-    finds at the model's source; None where there is none."""
-    if model.tokenizer is not None or getattr(model, "source", None) is None:
-        return model.tokenizer
-    from headlab.models.loading import load
-
-    return load(model.source).tokenizer
-
-
-def _tokens(model, tok, n: int, seed: int) -> tuple[torch.Tensor, str]:
+def _tokens(model, n: int, seed: int) -> tuple[torch.Tensor, str]:
     """A (n,) token stream: the bundled text, repeated to length if it is short; random
-    tokens where there is no tokenizer."""
+    tokens for a model without a tokenizer."""
+    tok = model.tokenizer
     if tok is None:
         return torch.randint(0, model.config.vocab_size, (n,),
                              generator=torch.Generator().manual_seed(seed)), "random tokens"
@@ -121,8 +112,7 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
     contexts = sorted({min(c or limit, limit - steps - 1) for c in sizes.contexts})
     quality_len = min(sizes.quality_len or max(contexts), limit)
     held_len = max((quality_len, *sizes.needle_lengths))  # the needle's filler too
-    tok = _tokenizer(model)
-    stream, source = _tokens(model, tok, sizes.scoring_tokens + held_len, seed=5)
+    stream, source = _tokens(model, sizes.scoring_tokens + held_len, seed=5)
     stream = stream.to(device)
     n_blocks = sizes.scoring_tokens // sizes.scoring_seq
     scoring = stream[: n_blocks * sizes.scoring_seq].view(n_blocks, sizes.scoring_seq)
@@ -184,19 +174,19 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
                 demoted=ppl["demoted"] - ppl["before"],
                 what=f"held-out perplexity lost at {quality_len} tokens: demoting the "
                      "groups / removing them")
-    _needle_half(res, models, tok, held, sizes, source)
+    _needle_half(res, models, held, sizes, source)
 
 
-def _needle_half(res: BenchResult, models: dict[str, Any], tok, held: torch.Tensor,
+def _needle_half(res: BenchResult, models: dict[str, Any], held: torch.Tensor,
                  sizes: LongContextSizes, source: str) -> None:
     """Needle accuracy of the three models on the same prompts, their filler the
     held-out tokens ``held`` (T,), and the target on demotion's loss over removal's."""
     from headlab.data import TextData
-    from headlab.needle import needle_test
+    from headlab.needle import ANSWER_TOKENS, needle_test
 
-    limit = models["before"].max_positions
-    # a length must leave the needle's 8 answer tokens within the model's positions
-    lengths = [n for n in sizes.needle_lengths if n + 8 <= limit]
+    limit, tok = models["before"].max_positions, models["before"].tokenizer
+    # a length must leave the needle's answer tokens within the model's positions
+    lengths = [n for n in sizes.needle_lengths if n + ANSWER_TOKENS <= limit]
     if tok is None or not lengths:
         res.checks["long_needle"] = "not measured: " + (
             "the model has no tokenizer" if tok is None
@@ -204,16 +194,10 @@ def _needle_half(res: BenchResult, models: dict[str, Any], tok, held: torch.Tens
         return
     filler = TextData([tok.decode(held.tolist())], spec=f"the held-out tokens ({source})")
     depths = list(sizes.needle_depths)
-    grids = {}
-    for name, m in models.items():
-        own, m.tokenizer = m.tokenizer, tok  # the bench's models come without one
-        try:
-            # one prompt at a time: a left-padded row's pads would fill the demoted sinks
-            grids[name] = needle_test(m, lengths=lengths, depths=depths,
-                                      trials=sizes.needle_trials, filler=filler, seed=0,
-                                      batch_size=1)
-        finally:
-            m.tokenizer = own
+    # one prompt at a time: a left-padded row's pads would fill the demoted sinks
+    grids = {name: needle_test(m, lengths=lengths, depths=depths, trials=sizes.needle_trials,
+                               filler=filler, seed=0, batch_size=1)
+             for name, m in models.items()}
     res.method["long_context_needle"] = (
         f"headlab.needle.needle_test at {lengths} tokens, fact at depths {depths}, "
         f"{sizes.needle_trials} prompt(s) per cell (seed 0, the same prompts for every "
