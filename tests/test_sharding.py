@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,19 @@ from headlab.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 N_BLOCKS = 5
+
+
+@contextlib.contextmanager
+def _group(backend: str, rank: int, world: int, store: str):
+    """This process as ``rank`` of a ``world``-rank group on a file store; after it, the
+    group is destroyed and headlab's data parallelism (which sharding turns off) is back."""
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    try:
+        yield
+    finally:
+        distributed.set_data_parallel(True)
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +72,7 @@ def _scored(model) -> dict:
 
 def _worker(rank: int, model_dir: str, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
+    with _group("gloo", rank, 2, store):
         model, reads = sharding.load_sharded(model_dir)
         assert sharding.is_sharded(model) and not distributed.data_parallel()
         result = _scored(model)
@@ -67,9 +80,6 @@ def _worker(rank: int, model_dir: str, store: str, out: str) -> None:
         result["reads"] = {"tensors": reads.tensors, "elements": reads.elements,
                            "sliced": reads.sliced}
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        distributed.set_data_parallel(True)
-        dist.destroy_process_group()
 
 
 def _close(a, b, rel=1e-5):
@@ -244,9 +254,7 @@ def test_a_sharded_prune_repairs_once_and_distils_without_lora():
 def _gpu_worker(rank: int, world: int, store: str, out: str) -> None:
     """bf16 sharded michel scores of SmolLM2-135M on ``world`` GPUs (nccl)."""
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank,
-                            world_size=world)
-    try:
+    with _group("nccl", rank, world, store):
         model, _ = sharding.load_sharded("smollm2-135m", device=f"cuda:{rank}",
                                          dtype=torch.bfloat16)
         blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
@@ -259,9 +267,6 @@ def _gpu_worker(rank: int, world: int, store: str, out: str) -> None:
             Path(out).write_text(json.dumps({
                 "scores": scores, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "estimate_gib": est.total / 2**30}))
-    finally:
-        distributed.set_data_parallel(True)
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
@@ -292,13 +297,8 @@ def test_bf16_sharded_scores_rank_heads_like_float32(tmp_path):
 @pytest.fixture()
 def one_rank_group(tmp_path):
     """A one-process gloo group in this process: FSDP with one shard, no spawn."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
+    with _group("gloo", 0, 1, str(tmp_path / "store")):
         yield
-    finally:
-        distributed.set_data_parallel(True)
-        dist.destroy_process_group()
 
 
 def test_one_rank_fsdp_scores_prunes_and_guards(one_rank_group, tiny_llama_shards, tmp_path):
@@ -370,9 +370,7 @@ def _repaired_one(model_dir, method: str):
 
 def _repair_worker(rank: int, world: int, model_dir: str, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world)
-    try:
+    with _group("gloo", rank, world, store):
         reference, _ = sharding.load_sharded(model_dir)
         scoring, heldout = _halves(reference)
         plan = _plan()
@@ -388,9 +386,6 @@ def _repair_worker(rank: int, world: int, model_dir: str, store: str, out: str) 
                 "errors": _errors(report)}
             sharding.save_sharded(pruned, Path(out) / method)
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(found))
-    finally:
-        distributed.set_data_parallel(True)
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -475,9 +470,7 @@ def _distill_worker(rank: int, world: int, model_dir: str, store: str, out: str)
     from headlab.checkpoint import Checkpoint
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world)
-    try:
+    with _group("gloo", rank, world, store):
         reference, _ = sharding.load_sharded(model_dir)
         scoring, heldout = _halves(reference)
         staged = sharding.save_sharded(reference, Path(out) / "pruned", _plan())
@@ -503,9 +496,6 @@ def _distill_worker(rank: int, world: int, model_dir: str, store: str, out: str)
         headlab.recover(pruned, reference, scoring, **kw, checkpoint=Checkpoint(out))
         sharding.save_sharded(pruned, Path(out) / "resumed")
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(found))
-    finally:
-        distributed.set_data_parallel(True)
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
