@@ -106,7 +106,8 @@ def test_masked_lm_parts_sum_to_the_logit_difference(tmp_path):
 
 # the shared decoder's families (tests/test_decoders.py's random checkpoints): parallel
 # residual (neox), post-norms (gemma2, olmo2), final soft-capping (gemma2), partial rotary
-DECODERS = ["qwen2", "qwen3", "phi3", "gemma2", "neox", "olmo2"]
+DECODERS = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "neox", "neox-sequential",
+            "olmo2"]
 
 
 @pytest.mark.parametrize("case", DECODERS)

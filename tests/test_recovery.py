@@ -441,8 +441,8 @@ def test_recovery_after_each_step_takes_a_training_free_method():
 # the shared decoder's families (tests/test_decoders.py's checkpoints: parallel residual,
 # post-norms, fused projections) and ModernBERT (tests/_encoders.py): lsq refits W_O and
 # the MLP's down projection in every block
-LSQ_FAMILIES = ["qwen2", "qwen3", "phi3", "gemma2", "neox", "neox-sequential", "olmo2",
-                "modernbert"]
+LSQ_FAMILIES = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "neox",
+                "neox-sequential", "olmo2", "modernbert"]
 
 
 def _family(case: str, directory):
