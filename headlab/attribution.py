@@ -10,9 +10,16 @@ that sum once its scale is frozen at the value it has on the actual residual
     logit(target) - logit(foil) = sum over parts c of  (w * P c / s) . (u_target - u_foil)
                                   + b . (u_target - u_foil)
 
-with w, b the norm's weight and bias, P the centering (LayerNorm) or the identity
-(RMSNorm), s the frozen scale and u the unembedding rows. Heads are attributed their
-direct path only: what they do through later layers counts to those layers' parts.
+with w, b the norm's weight and bias (Gemma's RMSNorm: 1 + w), P the centering
+(LayerNorm) or the identity (RMSNorm), s the frozen scale and u the unembedding rows.
+Heads are attributed their direct path only: what they do through later layers counts
+to those layers' parts. A block that norms its attention output before adding it
+(Gemma, OLMo-2) has that norm frozen the same way at the attention output, each head's
+part carried through it; with a parallel residual (GPT-NeoX) the MLP's part is the
+block's sum less its attention's. The logits attributed are ``lm_head``'s: where the
+model soft-caps them after (Gemma-2's tanh(l / c) * c, monotone), the parts sum to
+the difference before the cap, as in TransformerLens, and ``extra["output_logit_diff"]``
+holds the model's own difference after it.
 
 A post-norm masked LM (BERT) normalises the residual after every sublayer, and its MLM
 head is dense, activation, LayerNorm, then the tied embeddings. Each part is carried
@@ -34,7 +41,10 @@ from torch import nn
 from headlab.errors import UserError
 from headlab.hooks import capture
 from headlab.importance import HeadScores
-from headlab.models.base import HeadModel
+from headlab.models.base import DecoderLM, HeadModel
+from headlab.models.bert import Bert
+from headlab.models.decoder import OffsetRMSNorm, RMSNorm
+from headlab.objectives import objective_for
 
 __all__ = ["LogitAttribution", "logit_attribution"]
 
@@ -45,8 +55,9 @@ class LogitAttribution:
 
     ``heads[layer][head]`` by original head index (NaN: pruned); ``rest`` holds every
     other part by name (``embeddings``, ``mlp.{i}``, ``attn_bias.{i}``, ``norm_bias``,
-    ``unembed_bias``); ``logit_diff`` is the model's own difference, which the parts
-    sum to. ``norm_scale`` is the frozen 1/s of the final norm.
+    ``unembed_bias``); ``logit_diff`` is the model's own difference (before any final
+    soft-capping, see the module docstring), which the parts sum to. ``norm_scale`` is
+    the frozen 1/s of the final norm.
     """
 
     heads: list[list[float]]
@@ -112,67 +123,90 @@ def logit_attribution(model: HeadModel, text: str | torch.Tensor, *, target: str
                       foil: str | int, position: int | None = None) -> LogitAttribution:
     """Each head's direct contribution to logit(target) - logit(foil) at ``position`` of
     ``text`` (a string, or input ids (1, S)); see the module docstring. By default the
-    position is the last (decoders) or the first [MASK] token (masked LMs)."""
-    norm = getattr(model, "final_norm", None)
-    masked_lm = model.kind == "masked-lm" and hasattr(model, "mlm")
-    if not masked_lm and (not model.causal or norm is None):
-        raise UserError(f"direct logit attribution reads a pre-norm decoder's or a masked "
-                        f"LM's residual stream; {model.family} ({model.kind}) is neither")
+    position is the one the model's objective reads (`Objective.logit_position`): the
+    last for decoders, the first [MASK] token for masked LMs."""
     tok = model.tokenizer
     if isinstance(text, str):
         ids = torch.tensor([tok(text)["input_ids"]])
     else:
         ids, text = text, ""
     ids = ids.to(model.device)
+    default = objective_for(model).logit_position(ids, tok)  # refuses models without logits
+    position = default if position is None else position
     t_id, t_name = _token_id(tok, target)
     f_id, f_name = _token_id(tok, foil)
-    if position is None:
-        position = -1
-        mask_id = getattr(tok, "mask_token_id", None)
-        if masked_lm and mask_id is not None and bool((ids[0] == mask_id).any()):
-            position = int((ids[0] == mask_id).nonzero()[0])
-    if masked_lm:
+    if isinstance(model, DecoderLM):
+        return _decoder(model, ids, t_id, t_name, f_id, f_name, position, text)
+    if isinstance(model, Bert):
         return _masked_lm(model, ids, t_id, t_name, f_id, f_name, position, text)
-    with capture(model, ["z", "resid_pre", "resid_mid", "resid_post"]) as cap:
-        logits = model(ids).logits[0, position].double()  # (V,)
+    raise UserError(f"direct logit attribution reads a decoder's residual stream or BERT's "
+                    f"post-norm blocks and MLM head; {model.family} ({model.kind}) has neither")
+
+
+@torch.no_grad()
+def _decoder(model, ids, t_id, t_name, f_id, f_name, position, text) -> LogitAttribution:
+    """The pre-norm walk of the module docstring: the last residual as a sum of parts,
+    read through the frozen final norm and the unembedding."""
+    with capture(model, ["z", "out", "resid_pre", "resid_post"]) as cap:
+        out = model(ids)
     pos = position % ids.shape[1]
+    hidden = out.last_hidden_state[0, pos]  # (E,) after the final norm
+    logits = model.lm_head(hidden[None])[0].double()  # (V,) before any soft-capping
+    capped = out.logits[0, pos].double()
     unembed = model.lm_head.weight.double()
     direction = unembed[t_id] - unembed[f_id]  # (E,)
     last = cap[f"blocks.{model.n_layers - 1}.resid_post"][0, pos].double()  # (E,)
-    read, bias, scale = _frozen_norm(norm, last)
+    read, bias, scale = _frozen_norm(model.final_norm, last)
 
-    def through(x: torch.Tensor) -> float:  # a part of the residual (E,) -> logit diff
-        return float(read(x) @ direction)
+    def through(x: torch.Tensor) -> torch.Tensor:  # parts of the residual (..., E) -> (...)
+        return read(x) @ direction
 
-    rest = {"embeddings": through(cap["blocks.0.resid_pre"][0, pos].double())}
+    rest = {"embeddings": float(through(cap["blocks.0.resid_pre"][0, pos].double()))}
     heads = [[math.nan] * model.n_original_heads for _ in range(model.n_layers)]
-    for i, attn in enumerate(model.attentions):
+    for i, (block, attn) in enumerate(zip(model.blocks, model.attentions, strict=True)):
         z = cap[f"blocks.{i}.attn.z"][0, pos].double()  # (H, D)
         w_o = attn.o_proj.weight.double().view(attn.d_model, attn.n_heads, attn.head_dim)
         per_head = torch.einsum("hd,ehd->he", z, w_o)  # (H, E)
+        attn_out = cap[f"blocks.{i}.attn.out"][0, pos].double()  # (E,)
+        own_bias = attn_out - per_head.sum(0)  # W_O's bias (and rounding)
+        added = attn_out  # what the attention sublayer adds to the residual stream
+        # the shared decoder's norm on the attention output (Gemma, OLMo-2), frozen
+        post = getattr(block, "attn_post_norm", None)
+        if post is not None:
+            read_post, bias_post, _ = _frozen_norm(post, attn_out)
+            per_head, own_bias = read_post(per_head), read_post(own_bias) + bias_post
+            added = post(cap[f"blocks.{i}.attn.out"][0, pos][None])[0].double()
         for p, h in enumerate(cap.head_ids[f"blocks.{i}.attn.z"]):
-            heads[i][h] = through(per_head[p])
-        attn_out = (cap[f"blocks.{i}.resid_mid"] - cap[f"blocks.{i}.resid_pre"])[0, pos]
-        rest[f"attn_bias.{i}"] = through(attn_out.double() - per_head.sum(0))
-        mlp_out = (cap[f"blocks.{i}.resid_post"] - cap[f"blocks.{i}.resid_mid"])[0, pos]
-        rest[f"mlp.{i}"] = through(mlp_out.double())
+            heads[i][h] = float(through(per_head[p]))
+        rest[f"attn_bias.{i}"] = float(through(own_bias))
+        # the rest of the block's sum: its MLP, beside or after the attention
+        mlp_out = (cap[f"blocks.{i}.resid_post"] - cap[f"blocks.{i}.resid_pre"])[0, pos]
+        rest[f"mlp.{i}"] = float(through(mlp_out.double() - added))
     rest["norm_bias"] = float(bias @ direction)
     lm_bias = model.lm_head.bias
     rest["unembed_bias"] = 0.0 if lm_bias is None else float(lm_bias[t_id] - lm_bias[f_id])
     return LogitAttribution(heads, rest, float(logits[t_id] - logits[f_id]), t_name, f_name,
-                            pos, scale, text)
+                            pos, scale, text,
+                            {"output_logit_diff": float(capped[t_id] - capped[f_id])})
 
 
 def _frozen_norm(norm: nn.Module, x: torch.Tensor):
-    """The final norm as a linear map with its scale frozen at residual ``x`` (E,):
-    (read, bias, 1/s), read(c) = w * P c / s."""
-    weight = norm.weight.double()
+    """``norm`` as a linear map with its scale frozen at its input ``x`` (E,):
+    (read, bias, 1/s), read(c) = w * P c / s on parts c (..., E)."""
     eps = float(norm.eps)
     if isinstance(norm, nn.LayerNorm):
+        weight = norm.weight.double()
         inv = float(1.0 / torch.sqrt(x.var(unbiased=False) + eps))
         bias = norm.bias.double() if norm.bias is not None else torch.zeros_like(weight)
-        return (lambda c: weight * (c - c.mean()) * inv), bias, inv
-    inv = float(1.0 / torch.sqrt(x.pow(2).mean() + eps))  # RMSNorm
+        return (lambda c: weight * (c - c.mean(-1, keepdim=True)) * inv), bias, inv
+    if isinstance(norm, OffsetRMSNorm):  # Gemma: (1 + w) * x / rms(x)
+        weight = 1.0 + norm.weight.double()
+    elif isinstance(norm, RMSNorm):
+        weight = norm.weight.double()
+    else:
+        raise UserError(f"direct logit attribution freezes LayerNorm and RMSNorm; this "
+                        f"model's norm is a {type(norm).__name__}")
+    inv = float(1.0 / torch.sqrt(x.pow(2).mean() + eps))
     return (lambda c: weight * c * inv), torch.zeros_like(weight), inv
 
 

@@ -61,7 +61,7 @@ class Blocks:
     labels: torch.Tensor | None = None
     spec: str = BUNDLED_SPEC
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    layout: str | None = None  # the KIND_LAYOUTS entry make_blocks laid them out by
+    layout: str | None = None  # the LAYOUTS entry layout_blocks cut them in
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -324,41 +324,27 @@ def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Block
     return Blocks(ids, mask, labels, data.spec)
 
 
-# text layouts, and the layout each kind of model reads (headlab.objectives reads it too)
-_LAYOUTS = {
+# the text layouts; each kind of model names the one it reads (headlab.objectives)
+LAYOUTS = {
     "stream": _stream_blocks,  # texts joined by EOS, cut into full blocks
     "wrapped-stream": _wrapped_stream_blocks,  # the same, each block in [CLS] ... [SEP]
     "rows": _row_blocks,  # one padded, truncated row per example or pair
     "sentences": _sentence_blocks,  # rows; prose one sentence per row
 }
-KIND_LAYOUTS = {
-    "causal-lm": "stream",
-    "masked-lm": "wrapped-stream",
-    "classifier": "rows",
-    # a sentence embedding and its fidelity are about a sentence
-    "embedding": "sentences",
-}
 
 
-def make_blocks(
+def layout_blocks(
     data: TextData,
     tokenizer,
     *,
-    kind: str,
+    layout: str,
     seq_len: int,
     max_tokens: int | None = None,
 ) -> Blocks:
-    """Tokenise ``data`` for a model of ``kind`` into at most ``max_tokens`` tokens.
-
-    causal-lm: one stream of texts joined by EOS, cut into full blocks of seq_len.
-    masked-lm: the same stream cut into blocks wrapped in [CLS] ... [SEP].
-    classifier / embedding: one (padded, truncated) row per example or pair; an
-    embedding model reads prose (``data.prose``) one sentence per row, the unit its
-    embeddings and their fidelity are about.
-    """
-    if kind not in KIND_LAYOUTS:
-        raise DataError(f"no text layout for model kind {kind!r}; known kinds: "
-                        f"{', '.join(KIND_LAYOUTS)}")
+    """Tokenise ``data`` into blocks of ``layout`` (`LAYOUTS`), at most ``max_tokens``
+    tokens; `headlab.objectives.make_blocks` picks the layout a kind of model reads."""
+    if layout not in LAYOUTS:
+        raise DataError(f"no text layout {layout!r}; known layouts: {', '.join(LAYOUTS)}")
     if not isinstance(data, TextData):
         raise DataError(f"make_blocks reads TextData (from headlab.load_texts), got "
                         f"{type(data).__name__}")
@@ -368,25 +354,19 @@ def make_blocks(
         raise DataError("make_blocks needs the model's tokenizer (model.tokenizer), got None")
     if seq_len < 4:
         raise DataError(f"seq_len must be >= 4, got {seq_len}")
-    blocks = _LAYOUTS[KIND_LAYOUTS[kind]](data, tokenizer, seq_len=seq_len,
-                                          max_tokens=max_tokens)
-    blocks.layout = KIND_LAYOUTS[kind]
+    blocks = LAYOUTS[layout](data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+    blocks.layout = layout
     return blocks
 
 
-def check_blocks(blocks: Blocks, *, what: str, kind: str | None = None) -> None:
-    """Raise DataError unless ``blocks`` are non-empty Blocks, laid out (when
-    known) for a model of ``kind``: ``what`` names the caller in the message."""
+def check_blocks(blocks: Blocks, *, what: str) -> None:
+    """Raise DataError unless ``blocks`` are non-empty Blocks: ``what`` names the caller
+    in the message (a model's objective checks their layout, `Objective.check_blocks`)."""
     if not isinstance(blocks, Blocks):
         raise DataError(f"{what} takes Blocks (from headlab.make_blocks), got "
                         f"{type(blocks).__name__}")
     if len(blocks) == 0:
         raise DataError(f"{what}: {blocks.spec} holds no blocks")
-    wanted = KIND_LAYOUTS.get(kind) if kind is not None else None
-    if wanted is not None and blocks.layout is not None and blocks.layout != wanted:
-        raise DataError(f"{what}: these blocks are laid out as {blocks.layout!r}, a {kind} "
-                        f"model reads {wanted!r}; make them with make_blocks(kind={kind!r}) "
-                        "or the model's objective")
 
 
 def split_blocks(blocks: Blocks, *, heldout: float = 0.5, seed: int = 0) -> tuple[Blocks, Blocks]:

@@ -12,7 +12,7 @@ import torch
 
 from headlab import distributed
 from headlab._progress import track
-from headlab.data import Blocks, check_blocks
+from headlab.data import Blocks
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
 
@@ -42,7 +42,7 @@ def evaluate(model: HeadModel, blocks: Blocks, *, batch_size: int = DEFAULT_BATC
 
     Under torchrun each rank evaluates a disjoint shard and the sums are all-reduced."""
     objective = objective_for(model)
-    check_blocks(blocks, what="evaluate", kind=objective.kind)
+    objective.check_blocks(blocks, what="evaluate")
     objective.check_prepared(blocks)
     total_loss = total_count = total_correct = 0.0
     n_tokens = 0

@@ -35,7 +35,7 @@ from headlab import distributed
 from headlab._io import atomic_write_json, atomic_write_text
 from headlab._progress import track
 from headlab.checkpoint import Checkpoint
-from headlab.data import Blocks, check_blocks
+from headlab.data import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
@@ -149,7 +149,7 @@ def score(
     """
     if method not in METHODS:
         raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
-    check_blocks(blocks, what="score", kind=objective_for(model).kind)
+    objective_for(model).check_blocks(blocks, what="score")
     n_examples = len(blocks)
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     if per_token and method not in PER_TOKEN_METHODS:

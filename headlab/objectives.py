@@ -6,10 +6,13 @@
     embedding   ``1 - cos`` between the model's sentence embedding and the unpruned
                 model's (the reference); fidelity, the mean cosine
 
-Everything that differs by ``model.kind`` lives here; evaluation, importance scoring
-and the run ask ``objective_for(model)``. The objectives share one per-example loss
-contract: ``losses`` returns (mean loss (B,), scored count (B,), hits (B,)), where a
-hit is a correct prediction (an agreement, the cosine, for embeddings).
+Everything that differs by ``model.kind`` lives here: the text layout its blocks are
+cut in, its loss and metric, its distillation loss, whether the papers' window protocol
+applies, where direct logit attribution reads. Evaluation, importance scoring,
+recovery, attribution and the run ask ``objective_for(model)``. The objectives share
+one per-example loss contract: ``losses`` returns (mean loss (B,), scored count (B,),
+hits (B,)), where a hit is a correct prediction (an agreement, the cosine, for
+embeddings).
 
 Shape notation: B batch, S sequence length, T scored positions, V vocabulary or
 classes, E embedding width.
@@ -24,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from headlab.data import KIND_LAYOUTS, Blocks, TextData, check_blocks, make_blocks
-from headlab.errors import UserError
+from headlab.data import Blocks, TextData, check_blocks, layout_blocks
+from headlab.errors import DataError, UserError
 
 if TYPE_CHECKING:  # the models import generation, which asks objectives
     from headlab.models.base import HeadModel
@@ -40,34 +43,44 @@ Losses = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class Objective:
     """What a kind of model is measured by; one instance per kind, see `objective_for`.
 
+    ``layout``: how text is cut into blocks for it (`headlab.data.LAYOUTS`).
     ``default_seq_len`` is the block length a run uses unless told; `seq_len_for`
     caps it by the model's positions. ``needs_reference``: the metric compares with
     the unpruned model, so evaluating a pruned one needs the original to prepare the
     blocks. ``generates``: the model continues text (`headlab.generation`).
+    ``reads_windows``: the papers' calibration and evaluation windows, plain slices of
+    one token stream (`headlab.protocol`), are text as this kind reads it.
     """
 
     kind: str
     metric: str
     higher_is_better: bool
     default_seq_len: int
+    layout: str
     needs_reference = False
     generates = False
+    reads_windows = False
 
     def __repr__(self) -> str:
         return f"<objective {self.kind}: {self.metric}>"
-
-    @property
-    def layout(self) -> str:
-        """How text is laid out in blocks for this kind (`headlab.data.KIND_LAYOUTS`)."""
-        return KIND_LAYOUTS[self.kind]
 
     def seq_len_for(self, model: HeadModel) -> int:
         return min(self.default_seq_len, model.max_positions)
 
     def make_blocks(self, data: TextData, tokenizer, *, seq_len: int,
                     max_tokens: int | None = None) -> Blocks:
-        return make_blocks(data, tokenizer, kind=self.kind, seq_len=seq_len,
-                           max_tokens=max_tokens)
+        """``data`` cut into blocks as this kind reads text (see `make_blocks`)."""
+        return layout_blocks(data, tokenizer, layout=self.layout, seq_len=seq_len,
+                             max_tokens=max_tokens)
+
+    def check_blocks(self, blocks: Blocks, *, what: str) -> None:
+        """Raise DataError unless ``blocks`` are non-empty Blocks in this kind's layout
+        (where known); ``what`` names the caller in the message."""
+        check_blocks(blocks, what=what)
+        if blocks.layout is not None and blocks.layout != self.layout:
+            raise DataError(f"{what}: these blocks are laid out as {blocks.layout!r}, a "
+                            f"{self.kind} model reads {self.layout!r}; make them with "
+                            f"make_blocks(kind={self.kind!r}) or the model's objective")
 
     def prepare(self, model: HeadModel, blocks: Blocks, *,
                 batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0) -> Blocks:
@@ -105,6 +118,18 @@ class Objective:
         """The metric from the mean loss and the mean hit over scored positions."""
         return hit_rate
 
+    def distill_loss(self, student: HeadModel, s_out, reference: HeadModel, t_out,
+                     batch: Batch, temperature: float) -> torch.Tensor:
+        """The scalar loss that distils the teacher (``reference``, output ``t_out``)
+        into the student (``student``, ``s_out``) on ``batch`` (`headlab.recovery.distill`)."""
+        raise NotImplementedError
+
+    def logit_position(self, input_ids: torch.Tensor, tokenizer) -> int:
+        """The position of ``input_ids`` (1, S) whose token logits direct logit
+        attribution reads by default (`headlab.attribution`)."""
+        raise UserError(f"direct logit attribution reads logits over a vocabulary; a "
+                        f"{self.kind} model has none: attribute a causal or masked LM")
+
 
 class _CrossEntropy(Objective):
     """Softmax outputs scored by cross-entropy: probes by the Fisher identity."""
@@ -127,6 +152,16 @@ class _CrossEntropy(Objective):
             cotangent = probs * scale
             index = drawn[:, j].view(*probs.shape[:2], 1)
             yield logits, cotangent.scatter_add_(-1, index, -scale.expand_as(index))
+
+    def distill_loss(self, student, s_out, reference, t_out, batch, temperature):
+        """T^2 KL(teacher || student) at temperature T, averaged over the scored
+        positions (`_scored`: the output alone cannot say which positions count)."""
+        s, valid = self._scored(student, s_out, batch)  # (B, T, V), (B, T)
+        t, _ = self._scored(reference, t_out, batch)
+        log_s = F.log_softmax(s / temperature, dim=-1)
+        log_t = F.log_softmax(t.to(s.device) / temperature, dim=-1)
+        kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)  # (B, T)
+        return (kl * valid).sum() / valid.sum().clamp(min=1) * temperature**2
 
 
 class _TokenLM(_CrossEntropy):
@@ -151,11 +186,17 @@ class _TokenLM(_CrossEntropy):
     def value(self, loss, hit_rate):
         return math.exp(min(loss, _MAX_LOG_PERPLEXITY))
 
+    def logit_position(self, input_ids, tokenizer):
+        """The last position."""
+        return -1
+
 
 class CausalLM(_TokenLM):
     kind = "causal-lm"
     metric = "perplexity"
+    layout = "stream"
     generates = True
+    reads_windows = True
 
     def _scored(self, model, out, batch):
         mask = batch["attention_mask"].to(model.device)
@@ -169,6 +210,7 @@ class CausalLM(_TokenLM):
 class MaskedLM(_TokenLM):
     kind = "masked-lm"
     metric = "mlm-perplexity"
+    layout = "wrapped-stream"
 
     def prepare(self, model, blocks, *, batch_size=DEFAULT_BATCH_SIZE, seed=0):
         """The fixed-seed masking (`mask_tokens`), unless the blocks carry token labels."""
@@ -182,12 +224,19 @@ class MaskedLM(_TokenLM):
     def _targets(self, model, batch):
         return batch["labels"].to(model.device).clamp(min=0)  # -100 (unscored) -> a class
 
+    def logit_position(self, input_ids, tokenizer):
+        """The first [MASK] token, else the last position."""
+        mask_id = getattr(tokenizer, "mask_token_id", None)
+        masked = (input_ids[0] == mask_id).nonzero() if mask_id is not None else []
+        return int(masked[0]) if len(masked) else -1
+
 
 class Classifier(_CrossEntropy):
     kind = "classifier"
     metric = "accuracy"
     higher_is_better = True
     default_seq_len = 128
+    layout = "rows"
 
     def prepare(self, model, blocks, *, batch_size=DEFAULT_BATCH_SIZE, seed=0):
         """Nothing to add, but a classifier is measured against labels: refuse without."""
@@ -208,12 +257,19 @@ class Classifier(_CrossEntropy):
         loss = F.cross_entropy(out.logits.float(), labels, reduction="none")
         return loss, torch.ones_like(loss), (out.logits.argmax(-1) == labels).float()
 
+    def distill_loss(self, student, s_out, reference, t_out, batch, temperature):
+        """The KL over the classes plus the mean cross-entropy to the labels."""
+        loss, _, _ = self.losses(student, s_out, batch)  # (B,)
+        return super().distill_loss(student, s_out, reference, t_out, batch,
+                                    temperature) + loss.mean()
+
 
 class Embedding(Objective):
     kind = "embedding"
     metric = "fidelity"
     higher_is_better = True
     default_seq_len = 128
+    layout = "sentences"  # a sentence embedding and its fidelity are about a sentence
     needs_reference = True
 
     def prepare(self, model, blocks, *, batch_size=DEFAULT_BATCH_SIZE, seed=0):
@@ -258,6 +314,11 @@ class Embedding(Objective):
         for _ in range(n):
             yield emb, torch.randn(emb.shape, generator=generator).to(model.device)
 
+    def distill_loss(self, student, s_out, reference, t_out, batch, temperature):
+        """1 - cos to the teacher's sentence embedding, averaged over the batch."""
+        s = s_out.embeddings.float()  # (B, E)
+        return (1 - F.cosine_similarity(s, t_out.embeddings.float().to(s.device), dim=-1)).mean()
+
 
 OBJECTIVES: dict[str, Objective] = {o.kind: o for o in (CausalLM(), MaskedLM(), Classifier(),
                                                          Embedding())}
@@ -280,8 +341,25 @@ def prepare(model: HeadModel, blocks: Blocks, *, batch_size: int = DEFAULT_BATCH
     for masked-LM, the unpruned reference embeddings for encoders. Call it on the
     unpruned model."""
     objective = objective_for(model)
-    check_blocks(blocks, what="prepare", kind=objective.kind)
+    objective.check_blocks(blocks, what="prepare")
     return objective.prepare(model, blocks, batch_size=batch_size, seed=seed)
+
+
+def make_blocks(data: TextData, tokenizer, *, kind: str, seq_len: int,
+                max_tokens: int | None = None) -> Blocks:
+    """Tokenise ``data`` for a model of ``kind`` into at most ``max_tokens`` tokens, in
+    the kind's layout (`headlab.data.LAYOUTS`):
+
+    causal-lm: one stream of texts joined by EOS, cut into full blocks of seq_len.
+    masked-lm: the same stream cut into blocks wrapped in [CLS] ... [SEP].
+    classifier / embedding: one (padded, truncated) row per example or pair; an
+    embedding model reads prose (``data.prose``) one sentence per row, the unit its
+    embeddings and their fidelity are about.
+    """
+    if kind not in OBJECTIVES:
+        raise DataError(f"no text layout for model kind {kind!r}; known kinds: "
+                        f"{', '.join(OBJECTIVES)}")
+    return OBJECTIVES[kind].make_blocks(data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
 
 
 def mask_tokens(blocks: Blocks, tokenizer, *, seed: int = 0, rate: float = 0.15) -> Blocks:

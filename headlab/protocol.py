@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.data import Blocks, TextData, make_blocks
+from headlab.data import Blocks, TextData
 from headlab.errors import DataError, UserError
+from headlab.objectives import objective_for
 
 PROTOCOLS = ("split", "windows")
 PAPER_SEQ_LEN = 2048  # the papers' window, for calibration and evaluation alike
@@ -134,8 +135,10 @@ class Settings:
     eval_seq_len: int = PAPER_SEQ_LEN
 
     def check_kind(self) -> None:
-        if self.kind != "causal-lm" and (self.calib_samples is not None
-                                          or self.eval_protocol == "windows"):
+        """Refuse the windows where the kind of model reads text otherwise
+        (`headlab.objectives.Objective.reads_windows`)."""
+        if not objective_for(self.kind).reads_windows and (self.calib_samples is not None
+                                                           or self.eval_protocol == "windows"):
             raise UserError("--calib-samples and --eval-protocol windows are the causal "
                             f"language models' protocol; this model is a {self.kind}")
 
@@ -146,26 +149,27 @@ def build_sets(settings: Settings, tokenizer, calibration: TextData,
     ``calibration``, whose documents are split (`split_documents`) so no text is in both.
 
     The split protocol cuts each set as the model's kind reads text
-    (`headlab.data.make_blocks`), within ``max_tokens``; ``windows`` measures on
+    (`headlab.objectives.make_blocks`), within ``max_tokens``; ``windows`` measures on
     `evaluation_windows` of ``eval_seq_len`` (at most ``max_tokens`` of them), and
     ``calib_samples`` scores on `calibration_windows`.
     """
     s = settings
     s.check_kind()
+    objective = objective_for(s.kind)
     if evaluation is None:
         calibration, evaluation = split_documents(calibration, heldout=s.heldout, seed=s.seed)
     if s.calib_samples is not None:
         calib = calibration_windows(calibration, tokenizer, n_samples=s.calib_samples,
                                     seq_len=s.calib_seq_len or s.seq_len, seed=s.seed)
     else:
-        calib = make_blocks(calibration, tokenizer, kind=s.kind, seq_len=s.seq_len,
-                            max_tokens=s.max_tokens)
+        calib = objective.make_blocks(calibration, tokenizer, seq_len=s.seq_len,
+                                      max_tokens=s.max_tokens)
     if s.eval_protocol == "windows":
         held = evaluation_windows(evaluation, tokenizer, seq_len=s.eval_seq_len,
                                   max_windows=max(1, s.max_tokens // s.eval_seq_len))
     else:
-        held = make_blocks(evaluation, tokenizer, kind=s.kind, seq_len=s.seq_len,
-                           max_tokens=s.max_tokens)
+        held = objective.make_blocks(evaluation, tokenizer, seq_len=s.seq_len,
+                                     max_tokens=s.max_tokens)
     return calib, held
 
 

@@ -102,3 +102,48 @@ def test_masked_lm_parts_sum_to_the_logit_difference(tmp_path):
     torch.testing.assert_close(got.total(), got.logit_diff, atol=1e-4, rtol=0)
     assert abs(got.total() - sum(got.rest.values())) > 1e-3
     assert {"embeddings", "mlp.1", "attn_bias.0", "norm_bias", "unembed_bias"} <= set(got.rest)
+
+
+# the shared decoder's families (tests/test_decoders.py's random checkpoints): parallel
+# residual (neox), post-norms (gemma2, olmo2), final soft-capping (gemma2), partial rotary
+DECODERS = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "neox", "neox-sequential",
+            "olmo2"]
+
+
+@pytest.mark.parametrize("case", DECODERS)
+def test_decoder_families_parts_sum_to_the_logit_difference(case, tmp_path):
+    """Every head's part, carried through its block's post-norm where it has one, and
+    the rest sum to the logit difference before final soft-capping; the model's own
+    output difference, after the cap, is kept beside it."""
+    from tests.test_decoders import _checkpoint
+
+    model = headlab.load(_checkpoint(tmp_path, case), tokenizer=False)
+    model.prune_heads({1: [1]})
+    ids = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(2))
+    got = logit_attribution(model, ids, target=5, foil=9)
+    with torch.no_grad():
+        out = model(ids)
+        raw = model.lm_head(out.last_hidden_state)[0, -1].double()  # before any cap
+        capped = out.logits[0, -1].double()
+    torch.testing.assert_close(got.logit_diff, float(raw[5] - raw[9]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.total(), got.logit_diff, atol=1e-4, rtol=0)
+    output = got.extra["output_logit_diff"]
+    torch.testing.assert_close(output, float(capped[5] - capped[9]), atol=1e-5, rtol=0)
+    if case == "gemma2":  # final_logit_softcapping=3: the capped difference is another
+        assert abs(got.logit_diff - output) > 1e-3
+    else:
+        torch.testing.assert_close(output, got.logit_diff, atol=1e-6, rtol=0)
+    assert math.isnan(got.heads[1][1]) and not math.isnan(got.heads[1][0])
+    assert abs(got.total() - sum(got.rest.values())) > 1e-3, "heads must carry some part"
+    assert {"embeddings", "mlp.0", "mlp.1", "attn_bias.0", "attn_bias.1"} <= set(got.rest)
+
+
+@pytest.mark.parametrize("kind", ["classifier", "embedding"])
+def test_models_without_token_logits_are_refused(kind, tmp_path):
+    from tests._encoders import write_checkpoint
+
+    head = {"classifier": "classifier", "embedding": "encoder"}[kind]
+    model = headlab.load(write_checkpoint(tmp_path, "roberta", head), tokenizer=False)
+    assert model.kind == kind
+    with pytest.raises(headlab.errors.UserError, match="logits over a vocabulary"):
+        logit_attribution(model, torch.tensor([[0, 5, 6, 2]]), target=5, foil=6)

@@ -24,10 +24,10 @@ from headlab.data import (
     TextData,
     bundled_text,
     load_texts,
-    make_blocks,
     sentences,
     split_blocks,
 )
+from headlab.objectives import make_blocks
 
 
 def _write_jsonl(path, rows):

@@ -17,7 +17,7 @@ from headlab.models.gpt2 import GPT2, GPT2Config
 from headlab.models.llama import Llama, LlamaConfig
 from headlab.objectives import objective_for
 from headlab.pruning import prune
-from headlab.recovery.distill import _kl, distill
+from headlab.recovery.distill import distill
 from headlab.selection import PrunePlan
 
 VOCAB = 64
@@ -57,8 +57,8 @@ def _mean_kl(pruned, reference, blocks) -> float:
     objective = objective_for(pruned)
     with torch.no_grad():
         batch = next(blocks.batches(len(blocks)))
-        return float(_kl(objective, pruned, objective.forward(pruned, batch), reference,
-                         objective.forward(reference, batch), batch, 1.0))
+        return float(objective.distill_loss(pruned, objective.forward(pruned, batch), reference,
+                                            objective.forward(reference, batch), batch, 1.0))
 
 
 def _state(model) -> dict[str, torch.Tensor]:

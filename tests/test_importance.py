@@ -23,9 +23,10 @@ import torch
 from _curvature import gauss_newton_by_hand
 from torch.testing import assert_close
 
-from headlab.data import Blocks, load_texts, make_blocks
+from headlab.data import Blocks, load_texts
 from headlab.evaluate import evaluate
 from headlab.importance import METHODS, HeadScores, score
+from headlab.objectives import make_blocks
 
 N, S = 6, 24
 # float32 gradients of the same function, batched differently: ~1e-6 relative

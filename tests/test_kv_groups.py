@@ -21,10 +21,11 @@ from torch.testing import assert_close
 
 import headlab
 from headlab.config import RunConfig
-from headlab.data import load_texts, make_blocks, split_blocks
+from headlab.data import load_texts, split_blocks
 from headlab.errors import UserError
 from headlab.importance import HeadScores
 from headlab.models.export import export_hf, hf_expressible
+from headlab.objectives import make_blocks
 from headlab.pruning import prune
 from headlab.schedule import prune_to_target
 from headlab.selection import kv_groups, select_groups

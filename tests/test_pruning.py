@@ -21,10 +21,11 @@ from torch.testing import assert_close
 
 import headlab
 from headlab.checkpoint import Checkpoint
-from headlab.data import load_texts, make_blocks, split_blocks
+from headlab.data import load_texts, split_blocks
 from headlab.errors import UserError
 from headlab.evaluate import evaluate
 from headlab.importance import HeadScores, score
+from headlab.objectives import make_blocks
 from headlab.pruning import prune, trial
 from headlab.schedule import CurvePoint, prune_to_target, versus_random
 from headlab.selection import PrunePlan, heads_to_keep, select

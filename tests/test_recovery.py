@@ -435,3 +435,80 @@ def test_recovery_after_each_step_takes_a_training_free_method():
     reference, blocks = _llama(), _blocks()
     with pytest.raises(UserError, match="no training"):
         prune_to_target(reference, blocks, blocks, n_keep=9, recover="distill")
+
+
+# ---------------------------------------------------------------------- every family
+# the shared decoder's families (tests/test_decoders.py's checkpoints: parallel residual,
+# post-norms, fused projections) and ModernBERT (tests/_encoders.py): lsq refits W_O and
+# the MLP's down projection in every block
+LSQ_FAMILIES = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "neox",
+                "neox-sequential", "olmo2", "modernbert"]
+
+
+def _family(case: str, directory):
+    from tests._encoders import VOCAB, write_checkpoint
+    from tests.test_decoders import _SMALL, _checkpoint
+
+    if case == "modernbert":
+        return headlab.load(write_checkpoint(directory, case, "encoder"), tokenizer=False), VOCAB
+    return headlab.load(_checkpoint(directory, case), tokenizer=False), _SMALL["vocab_size"]
+
+
+@pytest.mark.parametrize("case", LSQ_FAMILIES)
+def test_lsq_refits_the_mlp_down_projection_of_every_family(case, tmp_path):
+    """Each layer's attention and MLP errors after the fit are never above before, and
+    the MLP refit ran in every layer (its errors are in the report's JSON)."""
+    reference, vocab = _family(case, tmp_path)
+    reference.eval()
+    gen = torch.Generator().manual_seed(0)
+    blocks = Blocks(torch.randint(0, vocab, (16, 12), generator=gen),
+                    torch.ones(16, 12, dtype=torch.long), spec="random")
+    model = _pruned(reference, {0: [0, 3], 1: [1]})
+    down_before = [model.blocks[i].get_submodule(model.mlp_down).weight.detach().clone()
+                   for i in range(model.n_layers)]
+    report = recover(model, reference, blocks, method="lsq", ridge=1e-2)
+    assert [e.layer for e in report.layers] == list(range(reference.n_layers))
+    for e, layer in zip(report.to_json()["layers"], report.layers, strict=True):
+        assert e["mlp_error_before"] is not None and e["mlp_error_after"] is not None
+        assert layer.error_after <= layer.error_before + 1e-6
+        assert layer.mlp_error_after <= layer.mlp_error_before + 1e-6
+        assert layer.mlp_error_before > 0
+    # the refit wrote new down projections
+    for i, before in enumerate(down_before):
+        assert not torch.equal(model.blocks[i].get_submodule(model.mlp_down).weight, before)
+    assert report.notes == []
+
+
+def test_cli_lsq_writes_an_mlp_error_for_every_layer(tmp_path, bpe_tokenizer):
+    """results.json after --recover lsq on a Qwen2: an MLP refit error in every layer."""
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+    from tests.test_decoders import _checkpoint
+
+    directory = _checkpoint(tmp_path / "qwen2", "qwen2", vocab_size=len(bpe_tokenizer))
+    bpe_tokenizer.save_pretrained(directory)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["prune", "--model", directory, "--keep", "0.5",
+                                      "--max-tokens", "1024", "--seq-len", "32",
+                                      "--recover", "lsq", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    layers = json.loads((out / "results.json").read_text())["recovery"]["layers"]
+    assert len(layers) == 2
+    for e in layers:
+        assert e["mlp_error_after"] <= e["mlp_error_before"] + 1e-6
+
+
+def test_a_family_without_a_down_projection_is_said_not_skipped(caplog):
+    """Where a model names no MLP down projection, lsq refits W_O alone and says so: a
+    warning and a note in the report (and its JSON), never a silent half repair."""
+    reference, blocks = _llama(), _blocks()
+    model = _pruned(reference, LLAMA_PLAN)
+    model.mlp_down = None
+    with caplog.at_level("WARNING", logger="headlab.recovery"):
+        report = recover(model, reference, blocks, method="lsq")
+    assert len(report.notes) == 1 and "refitted W_O alone" in report.notes[0]
+    assert report.notes[0] in caplog.text
+    assert RecoveryReport.from_json(report.to_json()).notes == report.notes
+    assert all(e.mlp_error_before is None for e in report.layers)
+    assert all(e.error_after <= e.error_before + 1e-6 for e in report.layers)

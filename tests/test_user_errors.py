@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import headlab
-from headlab.data import TextData, bundled_text, load_texts, make_blocks, split_blocks
+from headlab.data import TextData, bundled_text, load_texts, split_blocks
 from headlab.errors import CorruptFileError, DataError, RunLockedError, UserError
+from headlab.objectives import make_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}

@@ -337,6 +337,7 @@ class Decoder(DecoderLM):
 
     family = "decoder"
     config_class = DecoderConfig
+    mlp_down: ClassVar[str] = "mlp.down_proj"
     # the HF config key that turns on Q, K, V and W_O biases together (None: the family
     # has no such switch, so a W_O bias that recovery added cannot be exported)
     hf_attention_bias_key: ClassVar[str | None] = None
@@ -357,6 +358,11 @@ class Decoder(DecoderLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm between the last block and ``lm_head``."""
+        return self.norm
 
     @property
     def max_positions(self) -> int:

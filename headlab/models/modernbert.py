@@ -195,6 +195,7 @@ class ModernBert(HeadModel):
 
     family = "modernbert"
     config_class = ModernBertConfig
+    mlp_down = "mlp.wo"
     hf_export_unsupported = (
         "HF ModernBERT derives the head size from hidden_size / num_attention_heads, so a "
         "layer with fewer heads has no HF config"

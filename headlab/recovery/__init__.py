@@ -18,6 +18,7 @@ Recovery only reads the scoring split; quality is measured on held-out data else
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -43,6 +44,8 @@ __all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "TRAINING_FREE", "LayerError",
 RECOVERY_METHODS = ("none", "bias", "lsq", "rescale", "distill")
 TRAINING_FREE = ("bias", "lsq", "rescale")  # the ones a schedule can run after each step
 _RIDGE_METHODS = ("lsq", "rescale")
+
+log = logging.getLogger(__name__)
 
 
 def recover(
@@ -87,11 +90,18 @@ def recover(
 
     start = time.perf_counter()
     lsq = method == "lsq"
+    refit_mlp = lsq and pruned.mlp_down is not None
+    notes = []
+    if lsq and not refit_mlp:
+        notes.append(f"{pruned.family} names no MLP down projection (mlp_down is None): "
+                     "lsq refitted W_O alone")
+        log.warning(notes[-1])
     layers = repair(pruned, reference, blocks, make_fit=_make_fit(method, ridge),
                     batch_size=batch_size, method=method, residual=lsq,
-                    make_down=(lambda lin: DownProjection(lin, ridge=ridge)) if lsq else None)
+                    make_down=(lambda lin: DownProjection(lin, ridge=ridge)) if refit_mlp
+                    else None)
     return RecoveryReport(method, {} if ridge is None else {"ridge": ridge}, blocks.n_tokens,
-                          time.perf_counter() - start, layers)
+                          time.perf_counter() - start, layers, notes)
 
 
 def _distill(pruned, reference, blocks, *, batch_size: int, ridge: float | None,
@@ -124,7 +134,7 @@ def _distill(pruned, reference, blocks, *, batch_size: int, ridge: float | None,
     return RecoveryReport(
         "distill", {"start": start, **(first.options if first else {}), **plain},
         int(summary.get("tokens", 0)), time.perf_counter() - begin,
-        first.layers if first else [])
+        first.layers if first else [], first.notes if first else [])
 
 
 def _make_fit(method: str, ridge: float | None) -> MakeFit:

@@ -9,9 +9,9 @@ model before pruning) on the scoring blocks, by the loss of its kind of model:
     classifier  that KL over the classes, plus the cross-entropy to the labels
     embedding   1 - cos between the student's and the teacher's sentence embeddings
 
-The loss is chosen by the objective's kind (`_LOSSES`), and the positions a KL runs
-over are the objective's own (its ``_scored``): causal and masked LMs both put out
-(B, S, V) logits, so the output alone cannot say which positions count.
+The loss is the objective's (`headlab.objectives.Objective.distill_loss`), and so are
+the positions a KL runs over: causal and masked LMs both put out (B, S, V) logits, so
+the output alone cannot say which positions count.
 
 Only a chosen set of parameters trains (`PARAMS`); head gates are buffers and never
 do. AdamW without weight decay (decay would move weights the loss does not touch,
@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headlab._progress import track
@@ -41,7 +40,7 @@ from headlab.checkpoint import Checkpoint
 from headlab.data import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
-from headlab.objectives import Objective, objective_for
+from headlab.objectives import objective_for
 from headlab.recovery.sharded import all_sum, is_fsdp, local
 
 PARAMS = ("out", "attention", "all", "lora")
@@ -98,7 +97,6 @@ def distill(
               temperature=temperature, lr=lr, batch_size=batch_size, accumulate=accumulate,
               lora_rank=lora_rank)
     blocks = objective.prepare(reference, blocks, batch_size=batch_size, seed=seed)
-    loss_fn = _LOSSES[objective.kind]
     schedule = _schedule(blocks, tokens=tokens, batch_size=batch_size, accumulate=accumulate,
                          seed=seed)
     step_tokens = [sum(int(blocks.attention_mask[rows].sum()) for rows in step)
@@ -159,8 +157,8 @@ def distill(
                     with torch.no_grad():
                         teacher = objective.forward(reference, batch)
                     student = objective.forward(pruned, batch)
-                    micro = loss_fn(objective, pruned, student, reference, teacher, batch,
-                                    temperature) / len(schedule[step])
+                    micro = objective.distill_loss(pruned, student, reference, teacher, batch,
+                                                   temperature) / len(schedule[step])
                     if not torch.isfinite(micro):
                         raise UserError(_not_finite("loss", micro.item(), step + 1))
                     micro.backward()
@@ -205,34 +203,6 @@ def distill(
             "loss_first": losses[0] if losses else math.nan,
             "loss_last": losses[-1] if losses else math.nan, "losses": losses,
             "trainable_parameters": sum(p.numel() for p in trainable.values())}
-
-
-# ---------------------------------------------------------------- losses per kind
-def _kl(objective: Objective, student: HeadModel, s_out, reference: HeadModel, t_out,
-        batch, temperature: float) -> torch.Tensor:
-    """T^2 KL(teacher || student) at temperature T, averaged over the scored positions."""
-    s, valid = objective._scored(student, s_out, batch)  # (B, T, V), (B, T)
-    t, _ = objective._scored(reference, t_out, batch)
-    log_s = F.log_softmax(s / temperature, dim=-1)
-    log_t = F.log_softmax(t.to(s.device) / temperature, dim=-1)
-    kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)  # (B, T)
-    return (kl * valid).sum() / valid.sum().clamp(min=1) * temperature**2
-
-
-def _kl_and_labels(objective, student, s_out, reference, t_out, batch, temperature):
-    """The KL over the classes plus the mean cross-entropy to the labels."""
-    loss, _, _ = objective.losses(student, s_out, batch)  # (B,)
-    return _kl(objective, student, s_out, reference, t_out, batch, temperature) + loss.mean()
-
-
-def _cosine(objective, student, s_out, reference, t_out, batch, temperature):
-    """1 - cos to the teacher's sentence embedding, averaged over the batch."""
-    s = s_out.embeddings.float()  # (B, E)
-    return (1 - F.cosine_similarity(s, t_out.embeddings.float().to(s.device), dim=-1)).mean()
-
-
-_LOSSES = {"causal-lm": _kl, "masked-lm": _kl, "classifier": _kl_and_labels,
-           "embedding": _cosine}
 
 
 # ---------------------------------------------------------------- what trains
@@ -339,13 +309,10 @@ def _validate(pruned, reference, blocks, objective, *, tokens, params, temperatu
     if pruned is reference:
         raise UserError("distillation needs the unpruned model as the reference, not the "
                         "pruned model itself: pass a copy made before pruning")
-    if objective_for(reference).kind != objective.kind:
+    if objective_for(reference) is not objective:
         raise UserError(f"the reference is a {objective_for(reference).kind} model and the "
                         f"pruned model a {objective.kind} one: distil a model toward its own "
                         "unpruned original")
-    if objective.kind not in _LOSSES:
-        raise UserError(f"distillation has no loss for {objective.kind} models; it knows "
-                        f"{', '.join(_LOSSES)}")
     if len(blocks) == 0 or blocks.n_tokens == 0:
         raise UserError(f"{blocks.spec}: no tokens to distil on")
 

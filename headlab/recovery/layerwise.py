@@ -6,7 +6,10 @@ layer i the walk
 
   1. runs the reference's block i on its stream, keeping its residual sums: after
      attention, x_ref + attn_ref(x_ref), and after the MLP, mid_ref + mlp_ref(mid_ref)
-     (the values before any post-norm; in a pre-norm block, the residual stream);
+     (the sublayers' outputs before any post-norm; in a pre-norm block, the residual
+     stream). ``mid`` is the residual the MLP's output is added to: ``resid_mid``, or
+     in a parallel residual x + attn(n1(x)) + mlp(n2(x)) (GPT-NeoX), which never
+     reaches that hook, x + attn(n1(x)), the block's output less the MLP's;
   2. runs the pruned layer's attention sublayer alone on its stream x, showing the fit
      the pruned per-head outputs z with its target Y (and the reference's per-head
      outputs, for bias compensation), and installs the new W_O (E, H*D) and bias (E,);
@@ -123,11 +126,12 @@ def repair(pruned: HeadModel, reference: HeadModel, blocks: Blocks, *, make_fit:
            batch_size: int, method: str, residual: bool = False,
            make_down: MakeDown | None = None) -> list[LayerError]:
     """Walk the layers in order (see the module docstring); return their errors.
-    ``make_down`` is ignored for a family that does not name its MLP's down projection
+    ``make_down`` needs a family that names its MLP's down projection
     (`HeadModel.mlp_down`)."""
     check_pair(pruned, reference)
-    if pruned.mlp_down is None:
-        make_down = None
+    if make_down is not None and pruned.mlp_down is None:
+        raise ValueError(f"{pruned.family} names no MLP down projection to refit "
+                         "(mlp_down is None): call repair without make_down")
     modes = (pruned.training, reference.training)
     pruned.eval()
     reference.eval()
@@ -346,8 +350,9 @@ def _down_owner(model: HeadModel, i: int) -> tuple[nn.Module, str]:
 def _tap(model: HeadModel, layer: int, *, attn: bool = True,
          mlp: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """Keep the layer's z (B, S, H, D) and attention output (B, S, E) of the next call
-    (unless not ``attn``); with ``mlp`` its residual after attention ``mid`` (B, S, E),
-    the MLP's output ``mlp`` (B, S, E) and the down projection's input ``act`` (B, S, F)."""
+    (unless not ``attn``); with ``mlp`` the residual its MLP's output is added to
+    ``mid`` (B, S, E, see the module docstring), the MLP's output ``mlp`` (B, S, E) and
+    the down projection's input ``act`` (B, S, F)."""
     seen: dict[str, torch.Tensor] = {}
 
     def keep(t: torch.Tensor, name: str) -> None:
@@ -357,6 +362,7 @@ def _tap(model: HeadModel, layer: int, *, attn: bool = True,
     handles = []
     if mlp:
         names[f"blocks.{layer}.resid_mid"] = lambda t, name: seen.__setitem__("mid", t)
+        names[f"blocks.{layer}.resid_post"] = lambda t, name: seen.__setitem__("post", t)
         block = model.blocks[layer]
         handles.append(block.mlp.register_forward_hook(
             lambda _m, _args, out: seen.__setitem__("mlp", out)))
@@ -365,6 +371,8 @@ def _tap(model: HeadModel, layer: int, *, attn: bool = True,
     try:
         with hooks(model, names):
             yield seen
+        if mlp and "mid" not in seen:  # a parallel residual (module docstring)
+            seen["mid"] = seen["post"] - seen["mlp"]
     finally:
         for h in handles:
             h.remove()
