@@ -1,82 +1,23 @@
 """Random-weight encoder checkpoints of each family beside BERT, written by transformers'
-``save_pretrained``, and the batches the equivalence tests feed them (for
-test_encoders.py). Tiny sizes: the whole family suite stays within seconds."""
+``save_pretrained`` (the configs live in _families.py), and the batches and tokenizers
+the equivalence tests feed them (for test_encoders.py). Tiny sizes: the whole family
+suite stays within seconds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import transformers
-
-VOCAB = 97
-
-
-@dataclass(frozen=True)
-class Family:
-    """One encoder family: its HF config class and keyword arguments, and its HF model
-    class per headlab head ("encoder", "mlm", "classifier")."""
-
-    name: str
-    config: Any
-    kwargs: dict
-    classes: dict
-    pad: int
-
-    def hf_config(self, **extra) -> transformers.PretrainedConfig:
-        return self.config(**{**self.kwargs, **extra})
-
-
-_BERT_LIKE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=64, num_labels=3)
-FAMILIES = {
-    "roberta": Family(
-        "roberta", transformers.RobertaConfig,
-        dict(_BERT_LIKE, max_position_embeddings=24, pad_token_id=1, bos_token_id=0,
-             eos_token_id=2),
-        {"encoder": transformers.RobertaModel, "mlm": transformers.RobertaForMaskedLM,
-         "classifier": transformers.RobertaForSequenceClassification}, pad=1),
-    "xlm-roberta": Family(
-        "xlm-roberta", transformers.XLMRobertaConfig,
-        dict(_BERT_LIKE, max_position_embeddings=24, pad_token_id=1, bos_token_id=0,
-             eos_token_id=2, hidden_act="gelu_new"),
-        {"encoder": transformers.XLMRobertaModel, "mlm": transformers.XLMRobertaForMaskedLM,
-         "classifier": transformers.XLMRobertaForSequenceClassification}, pad=1),
-    "distilbert": Family(
-        "distilbert", transformers.DistilBertConfig,
-        dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-             max_position_embeddings=24, num_labels=3, pad_token_id=0, activation="gelu"),
-        {"encoder": transformers.DistilBertModel, "mlm": transformers.DistilBertForMaskedLM,
-         "classifier": transformers.DistilBertForSequenceClassification}, pad=0),
-    # 3 layers: global, local, global; a local query sees 2 keys either side (S = 12)
-    "modernbert": Family(
-        "modernbert", transformers.ModernBertConfig,
-        dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-             intermediate_size=48, max_position_embeddings=64, local_attention=4,
-             global_attn_every_n_layers=2, num_labels=3, pad_token_id=0, bos_token_id=1,
-             eos_token_id=2, cls_token_id=1, sep_token_id=2),
-        {"encoder": transformers.ModernBertModel, "mlm": transformers.ModernBertForMaskedLM,
-         "classifier": transformers.ModernBertForSequenceClassification}, pad=0),
-}
+from _families import ENCODERS as FAMILIES
+from _families import VOCAB, write_encoder
 
 
 def write_checkpoint(path, family: str, head: str, *, seed: int = 0, std: float = 0.3, **extra):
-    """Save a random HF model whose every parameter is drawn with ``std`` (biases and
-    norms included), so attention is far from uniform; returns the directory."""
-    fam = FAMILIES[family]
-    torch.manual_seed(seed)
-    hf = fam.classes[head](fam.hf_config(**extra))
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, std)
-    directory = path / f"{family}-{head}"
-    hf.save_pretrained(directory)
-    return directory
+    """Save a random HF model of ``family`` (`_families.write_encoder`)."""
+    return write_encoder(path, FAMILIES[family], head, seed=seed, std=std, **extra)
 
 
 def load_hf(directory, family: str, head: str, impl: str = "eager"):
-    return FAMILIES[family].classes[head].from_pretrained(
+    return FAMILIES[family].hf_class(head).from_pretrained(
         directory, attn_implementation=impl).eval()
 
 
@@ -122,7 +63,7 @@ def write_mlm_with_tokenizer(path, family: str, tokenizer, **extra):
     """A random MLM checkpoint of ``family`` sized to ``tokenizer``, saved with it."""
     torch.manual_seed(0)
     fam = FAMILIES[family]
-    hf = fam.classes["mlm"](fam.hf_config(vocab_size=len(tokenizer),
+    hf = fam.hf_class("mlm")(fam.hf_config(vocab_size=len(tokenizer),
                                           pad_token_id=tokenizer.pad_token_id, **extra))
     directory = path / f"{family}-mlm-tok"
     hf.eval().save_pretrained(directory)

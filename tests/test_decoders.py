@@ -3,7 +3,8 @@ Qwen2, Qwen3, Mistral, Gemma-2, Gemma-3 (text), Phi-3, GPT-NeoX (parallel and
 sequential residual), OLMo-2.
 
 Every case is a random-weight checkpoint that transformers builds and writes with
-``save_pretrained`` (2 layers, E = 64, float32), read back with ``headlab.load``.
+``save_pretrained`` (2 layers, E = 64, float32; the configs live in _families.py), read
+back with ``headlab.load``.
 Windowed families slide a window of 4 over prompts of 12 tokens, so the window cuts.
 Shape notation: B batch, S sequence, H heads, T keys, V vocabulary.
 """
@@ -15,6 +16,9 @@ import copy
 import pytest
 import torch
 import transformers as tf
+from _families import DECODER_SIZE as _SMALL
+from _families import DECODERS as CASES
+from _families import write_decoder as _checkpoint
 from torch.testing import assert_close
 
 from headlab.models import load
@@ -24,62 +28,10 @@ LOGITS = {"rtol": 0.0, "atol": 1e-4}  # float32 logits against transformers
 WEIGHTS = {"rtol": 0.0, "atol": 1e-5}  # attention weights; cache vs recompute; gate vs prune
 GRAD = {"rtol": 1e-4, "atol": 1e-9}  # the same float32 gradients, batched differently
 
-_SMALL = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, max_position_embeddings=128, bos_token_id=None,
-              eos_token_id=None, pad_token_id=None)
-_SLIDE = ["full_attention", "sliding_attention"]
-CASES = {
-    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM,
-              dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
-                   max_window_layers=1)),
-    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM,
-              dict(num_key_value_heads=2, head_dim=24, use_sliding_window=True,
-                   sliding_window=4, layer_types=_SLIDE)),
-    "mistral": (tf.MistralConfig, tf.MistralForCausalLM,
-                dict(num_key_value_heads=2, sliding_window=4)),
-    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
-               dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
-                    query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
-                    final_logit_softcapping=3.0)),
-    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
-               dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
-                    query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
-                    rope_parameters={
-                        "full_attention": {"rope_type": "linear", "factor": 4.0,
-                                           "rope_theta": 1e6},
-                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM,
-             dict(num_key_value_heads=2, sliding_window=4,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                   "partial_rotary_factor": 0.5})),
-    "neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(use_parallel_residual=True)),
-    "neox-sequential": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
-                        dict(use_parallel_residual=False, hidden_act="gelu_new",
-                             rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                              "partial_rotary_factor": 0.5})),
-    "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, dict(num_key_value_heads=2)),
-}
 WINDOWED = {"qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"}
 # the pruned shape has no HF config, or the norm spans the pruned heads (module docs)
 NO_EXPORT = {"neox", "neox-sequential"}
 PRUNE_IS_NOT_GATE = {"olmo2"}
-
-
-def _checkpoint(directory, case: str, **override) -> str:
-    """A random-weight HF checkpoint, weights large enough that attention is far from
-    uniform (HF's init, std 0.02, would make every head look alike)."""
-    cfg_class, model_class, extra = CASES[case]
-    torch.manual_seed(0)
-    model = model_class(cfg_class(**{**_SMALL, **extra, **override}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                base = 0.0 if case.startswith("gemma") else 1.0  # Gemma scales by 1 + w
-                p.copy_(base + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(directory)
-    return str(directory)
 
 
 def _hf(directory: str):

@@ -98,6 +98,9 @@ class HeadModel(nn.Module):
     # why pruned models of this family have no Hugging Face export (see models.export);
     # a family that has one sets None and defines to_hf(self) -> (config, state dict)
     hf_export_unsupported: ClassVar[str | None] = "headlab has no Hugging Face export for it"
+    # capabilities this family lacks (features of the conformance matrix, tests/_families.py)
+    # -> why; what follows from the kind (an encoder keeps no KV cache) is not declared
+    not_applicable: ClassVar[Mapping[str, str]] = {}
     kind: str
     blocks: nn.ModuleList
     tokenizer: Any = None

@@ -200,6 +200,9 @@ class ModernBert(HeadModel):
         "HF ModernBERT derives the head size from hidden_size / num_attention_heads, so a "
         "layer with fewer heads has no HF config"
     )
+    not_applicable = {"attribution": "direct logit attribution follows a pre-norm decoder's "
+                      "final norm or BERT's post-norm MLM head; ModernBERT's pre-norm MLM is "
+                      "neither"}
 
     def __init__(self, config: ModernBertConfig, layout: list[list[int]] | None = None, *,
                  head: str = "none", pooling: str = "mean", normalize: bool = False) -> None:

@@ -66,6 +66,8 @@ class Olmo2(Decoder):
     family = "olmo2"
     weight_map = staticmethod(_weight_map)
     hf_attention_bias_key = "attention_bias"
+    not_applicable = {"gate-equals-prune": "its QK-norm runs over every head of a layer, so a "
+                      "pruned layer normalises over the kept heads alone: not the gated layer"}
 
 
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) -> Olmo2:
