@@ -20,6 +20,12 @@ After physical pruning a group may lose some of its query heads, so each query h
 carries the index of its key/value head (``kv_index``) instead of relying on
 equal-sized groups.
 
+Which keys a head reads: every head of a layer reads the same keys, except in a layer
+with demoted heads (`headlab.streaming`), whose streaming heads read only their sinks
+and window. Each set of heads and the keys it reads is a `KeySet`; `_fast` and `_eager`
+compute every set through the same maths (one scale, soft-capping, mask, softmax and
+hooks), so demoted heads differ from full ones in their keys and mask only.
+
 Numeric conventions, fixed here and nowhere else:
     * the scale is computed once in ``__init__`` (1/sqrt(D) unless overridden);
     * scores and softmax are computed in float32 at least (float64 stays float64);
@@ -39,9 +45,9 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from headlab.hookpoint import HookPoint, run_hook
-from headlab.kv_cache import KVCache
+from headlab.kv_cache import KeySet, KVCache, equal_groups
 from headlab.masks import Mask
-from headlab.streaming import Streaming, attend
+from headlab.streaming import Streaming, key_sets
 
 __all__ = ["MultiHeadAttention", "apply_rotary"]
 
@@ -194,17 +200,7 @@ class MultiHeadAttention(nn.Module):
 
     def _refresh_layout(self) -> None:
         """Recompute whether K/V heads form equal contiguous groups (SDPA's enable_gqa)."""
-        h, h_kv = self.n_heads, self.n_kv_heads
-        self._kv_identity = h == h_kv and bool(
-            torch.equal(self.kv_index.cpu(), torch.arange(h))
-        )
-        self._kv_regular = (
-            h_kv > 0
-            and h % h_kv == 0
-            and bool(
-                torch.equal(self.kv_index.cpu(), torch.arange(h_kv).repeat_interleave(h // h_kv))
-            )
-        )
+        self._kv_regular = equal_groups(self.kv_index.tolist(), self.n_kv_heads)
 
     def _gate(self) -> torch.Tensor | None:
         """The gate to apply, or None when every gate is exactly 1 (nothing to do)."""
@@ -262,19 +258,18 @@ class MultiHeadAttention(nn.Module):
             k = self.k(k.transpose(1, 2)).transpose(1, 2)
         if self.v._forward_hooks:
             v = self.v(v.transpose(1, 2)).transpose(1, 2)
-        if cache is not None and self.streaming is None:
-            k, v = cache.append(k, v)  # (B, H_kv, T, D)
-
-        eager = (need_weights or self.scores._forward_hooks or self.pattern._forward_hooks
-                 or self.softcap is not None)
-        if self.streaming is not None:  # demoted heads: their own cache and mask
-            z, weights = attend(self, q, k, v, mask, cache, eager=bool(eager))
-        elif eager:
-            z, weights = self._eager(q, k, v, mask)
+        if self.streaming is not None:  # demoted heads read their sinks and window only
+            sets = key_sets(self, k, v, mask, cache)
         else:
-            z, weights = self._fast(q, k, v, mask), None
-        if mask.row_ok is not None:
-            z = z * mask.row_ok.to(z.dtype)  # rows with no key give zeros
+            if cache is not None:
+                k, v = cache.append(k, v)  # (B, H_kv, T, D)
+            sets = [KeySet(k, v, mask, self.kv_index, self._kv_regular)]
+
+        if (need_weights or self.scores._forward_hooks or self.pattern._forward_hooks
+                or self.softcap is not None):
+            z, weights = self._eager(q, sets, past + S)
+        else:
+            z, weights = self._fast(q, sets), None
 
         gate = self._gate()
         if gate is not None:
@@ -306,36 +301,81 @@ class MultiHeadAttention(nn.Module):
             y = norm(y)
         return y
 
-    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, H_kv, T, D) -> (B, H, T, D) following kv_index (groups may be uneven)."""
-        if self._kv_identity:
-            return t
-        if self._kv_regular:
-            return t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-        return t.index_select(1, self.kv_index)
+    def _fast(self, q: torch.Tensor, sets: list[KeySet]) -> torch.Tensor:
+        """SDPA over each key set: no weights materialised. Returns z (B, H, S, D)."""
+        if len(sets) == 1 and sets[0].heads is None:
+            return self._sdpa(q, sets[0])
+        z = q.new_empty(q.shape)  # (B, H, S, D)
+        for keys in sets:
+            z[:, keys.heads] = self._sdpa(q[:, keys.heads], keys)
+        return z
 
-    def _fast(self, q, k, v, mask: Mask) -> torch.Tensor:
-        """SDPA path: no weights materialised. Returns z (B, H, S, D)."""
-        gqa = not self._kv_identity and self._kv_regular
-        if not self._kv_identity and not self._kv_regular:
-            k, v = self._expand_kv(k), self._expand_kv(v)
+    def _sdpa(self, q: torch.Tensor, keys: KeySet) -> torch.Tensor:
+        """q (B, H_x, S, D) over one key set; rows with no key give zeros. Returns z
+        (B, H_x, S, D)."""
+        k, v, mask = keys.k, keys.v, keys.mask
+        if not keys.grouped:
+            k, v = keys.expand(k), keys.expand(v)  # (B, H_x, T_x, D)
         attn: torch.Tensor | None = mask.allowed
         if mask.bias is not None:
             attn = mask.bias if attn is None else mask.bias.masked_fill(~attn, float("-inf"))
             attn = attn.to(q.dtype)
         dropout = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(
+        z = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn, dropout_p=dropout, is_causal=mask.causal_only,
-            scale=self.scale, enable_gqa=gqa,
+            scale=self.scale, enable_gqa=k.shape[1] != q.shape[1],
         )
+        return z if mask.row_ok is None else z * mask.row_ok.to(z.dtype)
 
-    def _eager(self, q, k, v, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """Materialise per-head weights. Returns z (B, H, S, D) and weights (B, H, S, T)."""
-        k, v = self._expand_kv(k), self._expand_kv(v)  # (B, H, T, D)
+    def _eager(self, q: torch.Tensor, sets: list[KeySet], T: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Materialise per-head weights over all T keys, one softmax for every head, the
+        ``scores`` and ``pattern`` hooks seeing them all. Returns z (B, H, S, D) and
+        weights (B, H, S, T), 0 at the keys a head does not read."""
+        B, H, S, _ = q.shape
+        whole = len(sets) == 1 and sets[0].heads is None and sets[0].positions is None
+        if whole:  # every head reads every key
+            scores, row_ok = self._scores(q, sets[0]), sets[0].mask.row_ok  # (B, H, S, T)
+        else:  # each set's scores at its heads and its keys' positions, -inf elsewhere
+            acc = torch.promote_types(q.dtype, torch.float32)
+            scores = q.new_full((B, H, S, T), float("-inf"), dtype=acc)
+            row_ok = None
+            for keys in sets:
+                part = self._scores(q[:, keys.heads], keys)  # (B, H_x, S, T_x)
+                if keys.positions is not None:
+                    part = scores.new_full((B, part.shape[1], S, T), float("-inf")).index_copy_(
+                        -1, keys.positions, part)  # (B, H_x, S, T)
+                scores.index_copy_(1, keys.heads, part)
+                if keys.mask.row_ok is not None:
+                    if row_ok is None:
+                        row_ok = torch.ones(B, H, S, 1, dtype=torch.bool, device=q.device)
+                    row_ok[:, keys.heads] = keys.mask.row_ok
+        scores = run_hook(self.scores, scores)
+        weights = torch.softmax(scores, dim=-1)  # float32 (float64 for float64 inputs)
+        if row_ok is not None:
+            weights = weights * row_ok  # rows with no key give zeros
+        weights = run_hook(self.pattern, weights)
+        if self.training and self.dropout:
+            weights = F.dropout(weights, p=self.dropout)
+        if whole:
+            v = sets[0].expand(sets[0].v)  # (B, H, T, D)
+            z = torch.matmul(weights.to(v.dtype), v)  # (B, H, S, D)
+        else:
+            z = q.new_empty(q.shape)  # (B, H, S, D)
+            for keys in sets:
+                w = weights[:, keys.heads]  # (B, H_x, S, T)
+                if keys.positions is not None:
+                    w = w[..., keys.positions]  # (B, H_x, S, T_x)
+                z[:, keys.heads] = torch.matmul(w.to(keys.v.dtype), keys.expand(keys.v))
+        return (z, weights) if row_ok is None else (z * row_ok.to(z.dtype), weights)
+
+    def _scores(self, q: torch.Tensor, keys: KeySet) -> torch.Tensor:
+        """Scaled, soft-capped, biased and masked scores of q (B, H_x, S, D) at one key
+        set: (B, H_x, S, T_x), float32 for half inputs (float64 stays float64)."""
+        k, mask = keys.expand(keys.k), keys.mask  # (B, H_x, T_x, D)
         S, T = q.shape[2], k.shape[2]
-        # scores in float32 for half inputs; float64 is not rounded down
         acc = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * self.scale  # (B,H,S,T)
+        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask.bias is not None:
@@ -345,15 +385,7 @@ class MultiHeadAttention(nn.Module):
             allowed = torch.ones(S, T, dtype=torch.bool, device=q.device).tril(T - S)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        scores = run_hook(self.scores, scores)
-        weights = torch.softmax(scores, dim=-1)  # float32 (float64 for float64 inputs)
-        if mask.row_ok is not None:
-            weights = weights * mask.row_ok
-        weights = run_hook(self.pattern, weights)
-        if self.training and self.dropout:
-            weights = F.dropout(weights, p=self.dropout)
-        z = torch.matmul(weights.to(v.dtype), v)  # (B, H, S, D)
-        return z, weights
+        return scores
 
     def _empty_output(self, x: torch.Tensor, k_len: int, need_weights: bool):
         """A layer with every head pruned outputs W_O's bias (or zeros) at each position."""

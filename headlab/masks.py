@@ -8,7 +8,7 @@ can open it for the softmax and zero its output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,12 +23,15 @@ class Mask:
     causal case, which the fast path hands to SDPA as ``is_causal`` without a tensor.
     ``row_ok`` (broadcastable to (B, H, S, 1)) is set only when some query row has no
     key left; those rows are opened for the softmax and zeroed afterwards.
+    ``memo`` keeps masks derived from this one (the streaming heads', `headlab.streaming`),
+    so the layers that share this mask build them once per forward.
     """
 
     allowed: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     causal_only: bool = False
     row_ok: torch.Tensor | None = None
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(
@@ -92,9 +95,18 @@ class Mask:
             else:
                 bias = attn_mask
 
+        return Mask.of(allowed=allowed, bias=bias, causal_only=causal_only)
+
+    @staticmethod
+    def of(*, allowed: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           causal_only: bool = False) -> Mask:
+        """The Mask of ``allowed`` (boolean) and ``bias`` (additive), broadcastable to
+        (B, H, S, T), with the query rows they leave without a key flagged in ``row_ok``
+        and opened."""
         row_ok = None
         if allowed is not None or bias is not None:
-            ok = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+            ok = torch.ones(1, 1, 1, 1, dtype=torch.bool,
+                            device=(allowed if allowed is not None else bias).device)
             if allowed is not None:
                 ok = allowed.any(dim=-1, keepdim=True)
             if bias is not None:
@@ -109,6 +121,16 @@ class Mask:
                 if bias is not None:
                     bias = bias.masked_fill(~ok, 0.0)
         return Mask(allowed=allowed, bias=bias, causal_only=causal_only, row_ok=row_ok)
+
+    def heads(self, index: torch.Tensor) -> Mask:
+        """This mask for the query heads at ``index`` (H_x,): (B|1, H_x|1, S, T)."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or t.shape[1] == 1 else t.index_select(1, index)
+
+        if all(t is None or t.shape[1] == 1 for t in (self.allowed, self.bias, self.row_ok)):
+            return self  # the same for every head
+        return Mask(allowed=pick(self.allowed), bias=pick(self.bias),
+                    causal_only=self.causal_only, row_ok=pick(self.row_ok))
 
 
 def _as_4d(mask: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:

@@ -5,30 +5,31 @@ first ``sinks`` positions and the last ``window`` positions (its own included), 
 streaming heads of DuoAttention and StreamingLLM do. Its cache holds exactly those:
 ``sinks`` slots, then a ring buffer of ``window`` slots, so its memory stops growing
 once the window is full and a decoding step reads at most ``sinks + window`` keys.
-The other heads of the layer keep their full cache (`KVCache`). Prefill uses the same
-mask, so a demoted head computes, at every position, the function of a full-cache head
-under the equivalent sink + window mask.
+The other heads of the layer keep their full cache (`KVCache`).
+
+Only the keys differ: `key_sets` gives the layer's full and streaming heads each the
+keys they read and the mask over them, and `headlab.attention` computes both sets
+through its one maths. A demoted head thus computes, at every position, the function
+of a full-cache head under the equivalent sink + window mask.
 
 Shapes as in `headlab.attention`: B batch, H query heads, H_kv key/value heads, S new
 positions, T keys, D head dim; a suffix f / s marks the full / streaming subset
-(H_f + H_s = H), P = sinks + window the streaming cache's slots.
+(H_f + H_s = H), P = sinks + window the streaming cache's slots, T_s the keys a
+streaming head reads in one call.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from headlab.hookpoint import run_hook
-from headlab.kv_cache import KVCache
+from headlab.kv_cache import KeySet, KVCache, equal_groups
+from headlab.masks import Mask
 
 if TYPE_CHECKING:
     from headlab.attention import MultiHeadAttention
-    from headlab.masks import Mask
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,8 @@ class _Split:
     kv_stream: torch.Tensor  # (H_kv_s,)
     index_full: torch.Tensor  # (H_f,) each full query head's key/value head in kv_full
     index_stream: torch.Tensor  # (H_s,)
-    # whether a subset's groups are equal and contiguous: SDPA's enable_gqa then reads
-    # each key/value head in place instead of a copy per query head
-    regular_full: bool = False
-    regular_stream: bool = False
+    grouped_full: bool  # a subset's groups are equal and contiguous (`kv_cache.equal_groups`)
+    grouped_stream: bool
 
 
 def split_of(attn: MultiHeadAttention) -> _Split:
@@ -94,16 +93,10 @@ def split_of(attn: MultiHeadAttention) -> _Split:
     index_full = [kv_full.index(kv_index[p]) for p in q_full]
     index_stream = [kv_stream.index(kv_index[p]) for p in q_stream]
     split = _Split(t(q_full), t(q_stream), t(kv_full), t(kv_stream), t(index_full),
-                   t(index_stream), _regular(index_full, len(kv_full)),
-                   _regular(index_stream, len(kv_stream)))
+                   t(index_stream), equal_groups(index_full, len(kv_full)),
+                   equal_groups(index_stream, len(kv_stream)))
     attn.__dict__["_streaming_split"] = (attn.kv_head_ids, attn.streaming, split)
     return split
-
-
-def _regular(index: list[int], n_kv: int) -> bool:
-    """Equal contiguous groups: [0, 0, 1, 1, ...] (each key/value head's query heads)."""
-    return n_kv > 0 and len(index) % n_kv == 0 and index == [
-        g for g in range(n_kv) for _ in range(len(index) // n_kv)]
 
 
 class StreamingCache:
@@ -127,14 +120,28 @@ class StreamingCache:
         """Slots in use: min(length, P); slots fill in order until the ring wraps."""
         return min(self.length, self.streaming.slots)
 
-    def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The streaming keys, values (B, H_kv_s, n, D) and positions (n,) held."""
-        if self.k is None:
-            return None
-        n = self.filled
-        return self.k[:, :, :n], self.v[:, :, :n], self.positions[:n]
+    def extend(self, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store the streaming heads' new keys/values (B, H_kv_s, S, D) and return what
+        their queries read: keys, values (B, H_kv_s, T_s, D) and the keys' positions
+        (T_s,), None when they are the new ones alone (positions 0 .. S-1)."""
+        past, S = self.length, k.shape[2]
+        if past and S > 1:  # the held slots then the chunk, read before it overwrites them
+            n = self.filled
+            held = (torch.cat([self.k[:, :, :n], k], dim=2),
+                    torch.cat([self.v[:, :, :n], v], dim=2),
+                    torch.cat([self.positions[:n],
+                               torch.arange(past, past + S, device=k.device)]))
+        self._store(k, v, past)
+        self.length = past + S
+        if past == 0:  # nothing was held: the new keys
+            return k, v, None
+        if S == 1:  # the new key has replaced the one leaving the window: the slots are
+            n = self.filled  # exactly what the new query reads (views, no copy)
+            return self.k[:, :, :n], self.v[:, :, :n], self.positions[:n]
+        return held
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def _store(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Keep what the budget keeps of (B, H_kv_s, S, D) keys/values at positions
         start .. start + S - 1: the sinks among them and the last ``window``."""
         sinks, window = self.streaming.sinks, self.streaming.window
@@ -144,8 +151,15 @@ class StreamingCache:
             self.v = v.new_zeros(B, Hs, sinks + window, D)
             self.positions = torch.full((sinks + window,), -1, dtype=torch.long,
                                         device=k.device)
-        pos = torch.arange(start, start + k.shape[2], device=k.device)  # (S,)
-        keep = (pos < sinks) | (pos >= start + k.shape[2] - window)
+        S = k.shape[2]
+        if S == 1:  # a decoding step: its slot, with no index tensors (no device sync)
+            slot = start if start < sinks else sinks + (start - sinks) % window
+            self.k[:, :, slot] = k[:, :, 0]
+            self.v[:, :, slot] = v[:, :, 0]
+            self.positions[slot] = start
+            return
+        pos = torch.arange(start, start + S, device=k.device)  # (S,)
+        keep = (pos < sinks) | (pos >= start + S - window)
         pos, k, v = pos[keep], k[:, :, keep], v[:, :, keep]
         slot = torch.where(pos < sinks, pos, sinks + (pos - sinks) % window)
         self.k[:, :, slot] = k
@@ -163,130 +177,57 @@ class StreamingCache:
         return total
 
 
-def attend(
-    attn: MultiHeadAttention,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    cache: StreamingCache | None,
-    *,
-    eager: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of a layer with demoted heads: q (B, H, S, D), new k, v (B, H_kv, S, D).
-
-    Returns z (B, H, S, D) in head order and, when ``eager``, the weights (B, H, S, T)
-    over every position T = past + S (a streaming head's weights are 0 outside its
-    sinks and window), after the ``scores`` and ``pattern`` hooks.
-    """
+def key_sets(attn: MultiHeadAttention, k: torch.Tensor, v: torch.Tensor, mask: Mask,
+             cache: StreamingCache | None) -> list[KeySet]:
+    """What the heads of a layer with demoted heads read, given its new keys and values
+    k, v (B, H_kv, S, D) and the model's ``mask``: the full heads their whole past, the
+    streaming heads their sinks and window, each with its mask. Appends k, v to
+    ``cache``, if any."""
     if cache is not None and not isinstance(cache, StreamingCache):
         raise TypeError("a layer with demoted heads needs the cache of model.new_cache()")
-    sp, split = attn.streaming, split_of(attn)
-    B, H, S, D = q.shape
-    past = cache.length if cache is not None else 0
-    T = past + S
-    kf, vf = k[:, split.kv_full], v[:, split.kv_full]  # (B, H_kv_f, S, D)
-    ks, vs = k[:, split.kv_stream], v[:, split.kv_stream]  # (B, H_kv_s, S, D)
-    if cache is not None and split.kv_full.numel():
-        kf, vf = cache.full.append(kf, vf)  # (B, H_kv_f, T, D)
-    # the streaming keys: those held (sinks, ring) and the new ones, with their positions
-    held = cache.held() if cache is not None else None
-    kpos = torch.arange(past, T, device=q.device)  # (S,)
-    if held is not None and held[2].numel():
-        ks, vs = torch.cat([held[0], ks], dim=2), torch.cat([held[1], vs], dim=2)
-        kpos = torch.cat([held[2], kpos])  # (T_s,)
-    if cache is not None:
-        cache.store(k[:, split.kv_stream], v[:, split.kv_stream], past)
-        cache.length = T
-        if not split.kv_full.numel():
-            cache.full.length = T
-    qpos = torch.arange(past, T, device=q.device)[:, None]  # (S, 1)
-    allowed_s = (kpos[None] <= qpos) & ((kpos[None] < sp.sinks) | (kpos[None] > qpos - sp.window))
-    allowed_s = allowed_s[None, None]  # (1, 1, S, T_s)
-    bias_s = None
-    if mask.allowed is not None:  # padding, windows and custom masks, at the kept keys
-        allowed_s = allowed_s & _heads(mask.allowed, split.q_stream)[..., kpos]
-    if mask.bias is not None:
-        bias_s = _heads(mask.bias, split.q_stream)[..., kpos]
-    full = (q[:, split.q_full], kf, vf, split.index_full, _heads(mask.allowed, split.q_full),
-            _heads(mask.bias, split.q_full), mask.causal_only, split.regular_full)
-    stream = (q[:, split.q_stream], ks, vs, split.index_stream, allowed_s, bias_s, False,
-              split.regular_stream)
-    if eager:
-        return _eager(attn, full, stream, split, kpos, T)
-    z = q.new_empty(B, H, S, D)
-    for (qx, kx, vx, index, allowed, bias, causal, regular), heads in (
-            (full, split.q_full), (stream, split.q_stream)):
-        if heads.numel():
-            z[:, heads] = _fast(attn, qx, kx, vx, index, allowed, bias, causal, regular)
-    return z, None
-
-
-def _heads(t: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor | None:
-    """A mask's (B|1, H|1, S, T) tensor for a subset of the query heads."""
-    return t if t is None or t.shape[1] == 1 else t[:, heads]
-
-
-def _expand(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(B, H_kv_x, T, D) -> (B, H_x, T, D): each query head's key/value head."""
-    return t.index_select(1, index)
-
-
-def _fast(attn, q, k, v, index, allowed, bias, causal, regular) -> torch.Tensor:
-    """SDPA over one subset; rows with no key give zeros. Returns z (B, H_x, S, D)."""
-    if not regular:
-        k, v = _expand(k, index), _expand(v, index)
-    ok = None
-    if allowed is not None:
-        ok = allowed.any(-1, keepdim=True)  # (B|1, 1, S, 1)
-        allowed = allowed | ~ok
-    if bias is not None:
-        bias = bias.to(q.dtype)
-        allowed = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)
-    dropout = attn.dropout if attn.training else 0.0
-    z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
-                                       is_causal=causal, scale=attn.scale,
-                                       enable_gqa=regular and k.shape[1] != q.shape[1])
-    return z if ok is None else z * ok.to(z.dtype)
-
-
-def _eager(attn, full, stream, split: _Split, kpos: torch.Tensor, T: int):
-    """Scores of both subsets on every position (B, H, S, T), a streaming head's at the
-    keys it keeps and -inf elsewhere, through the hooks; then z from the kept keys."""
-    q = full[0] if full[0].shape[1] else stream[0]
-    B, S = q.shape[0], q.shape[2]
-    H = split.q_full.numel() + split.q_stream.numel()
-    acc = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.full((B, H, S, T), -math.inf, dtype=acc, device=q.device)
-    for (qx, kx, _, index, allowed, bias, causal, _), heads in ((full, split.q_full),
-                                                              (stream, split.q_stream)):
-        if not heads.numel():
-            continue
-        s = torch.matmul(qx.to(acc), _expand(kx, index).to(acc).transpose(-1, -2)) * attn.scale
-        if bias is not None:
-            s = s + bias.to(acc)
-        if causal:
-            allowed = torch.ones(S, s.shape[-1], dtype=torch.bool, device=q.device).tril(
-                s.shape[-1] - S)
-        if allowed is not None:
-            s = s.masked_fill(~allowed, -math.inf)
-        if heads is split.q_stream:
-            scores[:, heads] = scores[:, heads].index_copy(-1, kpos, s)
-        else:
-            scores[:, heads] = s
-    scores = run_hook(attn.scores, scores)
-    ok = scores.isfinite().any(-1, keepdim=True)  # (B, H, S, 1): rows with a key
-    weights = torch.softmax(scores.masked_fill(~ok, 0.0), dim=-1) * ok
-    weights = run_hook(attn.pattern, weights)
-    z = q.new_empty(B, H, S, q.shape[-1])
+    split = split_of(attn)
+    past, S = (cache.length if cache is not None else 0), k.shape[2]
+    sets = []
     if split.q_full.numel():
-        w = weights[:, split.q_full]
-        z[:, split.q_full] = torch.matmul(w.to(full[2].dtype), _expand(full[2], full[3]))
+        kf, vf = k[:, split.kv_full], v[:, split.kv_full]  # (B, H_kv_f, S, D)
+        if cache is not None:
+            kf, vf = cache.full.append(kf, vf)  # (B, H_kv_f, T, D)
+        sets.append(KeySet(kf, vf, mask.heads(split.q_full), split.index_full,
+                           split.grouped_full, split.q_full))
+    ks, vs = k[:, split.kv_stream], v[:, split.kv_stream]  # (B, H_kv_s, S, D)
+    positions = None
+    if cache is not None:
+        ks, vs, positions = cache.extend(ks, vs)  # (B, H_kv_s, T_s, D), (T_s,) or None
     if split.q_stream.numel():
-        w = weights[:, split.q_stream][..., kpos]  # (B, H_s, S, T_s)
-        z[:, split.q_stream] = torch.matmul(w.to(stream[2].dtype),
-                                            _expand(stream[2], stream[3]))
-    return z, weights
+        smask = _streaming_mask(mask, attn.streaming, positions, past, S, k.device)
+        sets.append(KeySet(ks, vs, smask.heads(split.q_stream), split.index_stream,
+                           split.grouped_stream, split.q_stream, positions))
+    return sets
+
+
+def _streaming_mask(mask: Mask, streaming: Streaming, positions: torch.Tensor | None,
+                    past: int, S: int, device: torch.device) -> Mask:
+    """``mask`` for streaming heads at the keys they read (``positions``, None: all T):
+    causal, within the sinks and the window, and within ``mask`` there. Built once per
+    forward: the layers sharing ``mask`` read keys at the same positions."""
+    key = ("streaming", streaming.sinks, streaming.window, past, S)
+    if key in mask.memo:
+        return mask.memo[key]
+
+    def at(t: torch.Tensor | None) -> torch.Tensor | None:  # (..., T) -> (..., T_s)
+        return t if t is None or positions is None else t[..., positions]
+
+    allowed, bias = at(mask.allowed), at(mask.bias)
+    if mask.row_ok is not None:  # close again the rows that had no key
+        allowed = mask.row_ok if allowed is None else allowed & mask.row_ok
+    if S > 1:  # (one new query reads exactly its sinks and window)
+        kpos = torch.arange(past + S, device=device) if positions is None else positions
+        qpos = torch.arange(past, past + S, device=device)[:, None]  # (S, 1)
+        budget = (kpos <= qpos) & ((kpos < streaming.sinks) | (kpos > qpos - streaming.window))
+        allowed = budget[None, None] if allowed is None else allowed & budget  # (.., S, T_s)
+    out = Mask.of(allowed=allowed, bias=bias)
+    mask.memo[key] = out
+    return out
 
 
 def n_streaming(attn: MultiHeadAttention) -> int:

@@ -1,12 +1,15 @@
 """Demoted heads (`headlab.streaming`): a sink + window cache instead of the full one.
 
-Equivalence: a layer with demoted heads == the same layer with a full cache and the
-equivalent per-head sink + window mask (given to the plain attention as ``attn_mask``),
-at prefill and at every decoding step across the window boundary, fast and eager paths;
-a demoted model's incremental decoding == its own full forward. Invariants: the ring
-buffer holds sinks + window positions per demoted key/value head, and the cache's bytes
-equal the prediction from the kept groups. Save -> load keeps the demotion; export to
-Hugging Face format is refused with the reason.
+Equivalence: a layer with demoted heads (plain, soft-capped, QK-normed) == the same
+layer with a full cache and the equivalent per-head sink + window mask (given to the
+plain attention as ``attn_mask``, with padding and an additive mask), at prefill and at
+every decoding step across the window boundary, fast and eager paths; on the families
+whose attention differs from Llama's, demotion whose sinks + window cover the sequence
+changes nothing; a demoted model's incremental decoding == its own full forward.
+Invariants: the ring buffer holds sinks + window positions per demoted key/value head
+and a decoding step reads it in place; the streaming mask is built once per forward; the
+cache's bytes equal the prediction from the kept groups. Save -> load keeps the
+demotion; export to Hugging Face format is refused with the reason.
 
 Shape notation: B batch, H query heads, H_kv key/value heads, S, T query/key lengths,
 E model dim, D head dim.
@@ -23,10 +26,11 @@ from torch.testing import assert_close
 import headlab
 from headlab.attention import MultiHeadAttention
 from headlab.errors import UserError
+from headlab.masks import Mask
 from headlab.models.export import export_hf, hf_expressible
 from headlab.pruning import demote, demoted_heads
-from headlab.selection import PrunePlan
-from headlab.streaming import Streaming, StreamingCache
+from headlab.selection import PrunePlan, kv_groups
+from headlab.streaming import Streaming, StreamingCache, key_sets
 
 # the issue's bound for a demoted head against the masked full-cache head, float64 maths
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}
@@ -42,12 +46,20 @@ def _reference_mask(kv_index: list[int], demoted: set[int], T: int) -> torch.Ten
     return torch.stack([stream if kv in demoted else causal for kv in kv_index])[None]
 
 
-@pytest.fixture()
-def layers():
-    """A GQA attention (6 heads over 3 kv heads, float64) and a copy with kv head 1 and
-    kv head 2 demoted."""
+@pytest.fixture(params=["plain", "softcap", "qk-norm"])
+def layers(request):
+    """A GQA attention (6 heads over 3 kv heads, float64; plain, with Gemma-2's logit
+    soft-capping, or with per-head QK-norm) and a copy with kv heads 1 and 2 demoted."""
     torch.manual_seed(3)
-    attn = MultiHeadAttention(d_model=24, n_heads=6, n_kv_heads=3, head_dim=4).double()
+    extra = {"softcap": {"softcap": 0.5},
+             "qk-norm": {"q_norm": torch.nn.RMSNorm(4), "k_norm": torch.nn.RMSNorm(4)},
+             "plain": {}}[request.param]
+    attn = MultiHeadAttention(d_model=24, n_heads=6, n_kv_heads=3, head_dim=4, **extra)
+    attn = attn.double()
+    if request.param == "qk-norm":
+        with torch.no_grad():
+            attn.q_norm.weight.uniform_(0.5, 2.0)
+            attn.k_norm.weight.uniform_(0.5, 2.0)
     demoted = copy.deepcopy(attn)
     demoted.streaming = Streaming((1, 2), sinks=SINKS, window=WINDOW)
     return attn, demoted
@@ -93,6 +105,31 @@ def test_prefill_longer_than_the_window_then_chunks(layers):
     assert_close(torch.cat(parts, dim=1), ref, **TIGHT)
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_padding_and_a_per_head_additive_mask_hold_for_demoted_heads(layers, eager):
+    attn, demoted = layers
+    T = 14
+    x = torch.randn(2, T, 24, dtype=torch.float64)
+    pad = torch.ones(2, T, dtype=torch.bool)
+    pad[1, :5] = False  # row 1's sinks are padding; its first 5 queries see no key
+    bias = torch.randn(1, 6, T, T, dtype=torch.float64)  # (1, H, T, T)
+
+    def reference(t: int):  # the plain layer over positions 0 .. t-1, one combined mask
+        allowed = _reference_mask(attn.kv_index.tolist(), {1, 2}, t) & pad[:, None, None, :t]
+        return attn(x[:, :t], attn_mask=bias[..., :t, :t].masked_fill(~allowed, -torch.inf),
+                    need_weights=eager)
+
+    cache = StreamingCache(demoted.streaming)
+    for a, b in [(0, 5), (5, 8), *((t, t + 1) for t in range(8, T))]:
+        got = demoted(x[:, a:b], causal=True, key_padding_mask=pad[:, :b],
+                      attn_mask=bias[..., a:b, :b], cache=cache, need_weights=eager)
+        want = reference(b)
+        if eager:
+            assert_close(got[1], want[1][:, :, a:b], **TIGHT)
+            got, want = got[0], want[0]
+        assert_close(got, want[:, a:b], **TIGHT)
+
+
 def test_every_kv_head_demoted_and_no_sinks():
     torch.manual_seed(5)
     attn = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2, head_dim=4).double()
@@ -114,6 +151,82 @@ def _demote_half(model) -> PrunePlan:
     plan = PrunePlan({0: list(range(6)), 1: list(range(6))}, {0: [], 1: []},
                      {0: [2, 3], 1: [0, 1, 4, 5]})
     return demote(model, plan, sinks=SINKS, window=WINDOW)
+
+
+# families whose attention differs from Llama's: soft-capping (gemma2), QK-norm per head
+# (qwen3, gemma3) and over the projection (olmo2), partial rotary and a fused QKV (phi3)
+FAMILIES = ["gemma2", "qwen3", "gemma3", "olmo2", "phi3"]
+
+
+def _family_model(tmp_path, case: str):
+    """A random-weight checkpoint of ``case`` (tests/test_decoders.py) loaded by headlab:
+    2 layers of 4 query heads over 2 key/value heads."""
+    from test_decoders import _checkpoint
+
+    return headlab.load(_checkpoint(tmp_path / case, case), tokenizer=False)
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_demotion_covering_every_position_changes_nothing(case, tmp_path):
+    model = _family_model(tmp_path, case)
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(ids).logits
+        # sinks 4 + window 8 reach every earlier position of 12 tokens: nothing is cut
+        plan = PrunePlan({0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}, {0: [], 1: []},
+                         {0: [2, 3], 1: [0, 1]})
+        demote(model, plan, sinks=4, window=8)
+        assert demoted_heads(model) == {0: [2, 3], 1: [0, 1]}
+        assert_close(model(ids).logits, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma2"])
+def test_demoted_model_decodes_as_its_full_forward(case, gqa_dir, tmp_path):
+    model = headlab.load(gqa_dir) if case == "llama" else _family_model(tmp_path, case)
+    groups = kv_groups(model)  # layer 0: demote its last group; layer 1: its first
+    plan = PrunePlan({0: sum(groups[0], []), 1: sum(groups[1], [])}, {0: [], 1: []},
+                     {0: groups[0][-1], 1: groups[1][0]})
+    demote(model, plan, sinks=SINKS, window=WINDOW)
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(7))
+    pad = torch.ones_like(ids)
+    pad[1, :3] = 0  # left padding covers the sinks of row 1 and rides along in the cache
+    with torch.no_grad():
+        full = model(ids, pad).logits
+        cache = model.new_cache()
+        steps = [model(ids[:, :4], pad[:, :4], cache=cache).logits]  # the ring not yet full
+        steps += [model(ids[:, t:t + 1], pad[:, :t + 1], cache=cache).logits
+                  for t in range(4, 16)]
+    assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+    assert sorted(cache.layers[0].positions.tolist()) == [0, 1, *range(16 - WINDOW, 16)]
+
+
+def test_a_decoding_step_reads_the_ring_in_place(layers):
+    _, demoted = layers
+    cache = StreamingCache(demoted.streaming)
+    x = torch.randn(1, 12, 24, dtype=torch.float64)
+    demoted(x[:, :10], causal=True, cache=cache)  # the ring has wrapped
+    new = torch.randn(1, 3, 1, 4, dtype=torch.float64)  # (B, H_kv, S, D)
+    full, stream = key_sets(demoted, new, new, Mask(), cache)
+    # the streaming heads read the sinks + window slots themselves: no copy of the ring
+    assert stream.k.data_ptr() == cache.k.data_ptr()
+    assert stream.k.shape == (1, 2, SINKS + WINDOW, 4)
+    assert sorted(stream.positions.tolist()) == [0, 1, *range(11 - WINDOW, 11)]
+    assert full.k.shape == (1, 1, 11, 4)
+
+
+def test_the_streaming_mask_is_built_once_per_forward(gqa_dir, monkeypatch):
+    model = _demote_half(headlab.load(gqa_dir))
+    built = []
+    of = Mask.of
+
+    def spy(**kw):
+        built.append(1)
+        return of(**kw)
+
+    monkeypatch.setattr(Mask, "of", staticmethod(spy))
+    with torch.no_grad():
+        model(torch.randint(0, 500, (1, 12)))
+    assert len(built) == 2  # the model's causal mask, then the streaming heads' for both layers
 
 
 def test_demoted_model_decodes_as_its_full_forward_and_cache_bytes_match(gqa_dir):
