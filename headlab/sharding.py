@@ -146,6 +146,7 @@ def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str]] | None:
                 not in _FAMILY_MODULES:
             return None
         cls = importlib.import_module(_FAMILY_MODULES[config["family"]]).MODEL_CLASS
+        config, names = cls.upgrade(config, {k: k for k in _key_files(path)})
         with meta_parameters():
             model = cls(cls.config_class.from_dict(config["config"]), layout=config["layout"],
                         **config.get("extra", {}))
@@ -153,7 +154,7 @@ def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str]] | None:
                                   strict=False):
                 if bias:
                     attn.ensure_out_bias()
-        return model, {k: k for k in model.state_dict()}
+        return model, {k: names.get(k, k) for k in model.state_dict()}
     if config.get("model_type") not in SLICED_HF_TYPES:
         return None
     module = importlib.import_module(FAMILIES[config["model_type"]])

@@ -349,9 +349,9 @@ def test_flops_of_a_tiny_gpt2_by_hand():
 
 def test_flops_of_a_tiny_llama_with_gqa_by_hand():
     # E=8, H=4, H_kv=2, D=2, SwiGLU 16, vocab 10; B=1, S=4 -> 4 tokens, 10 causal pairs
-    model = Llama(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16,
-                              num_hidden_layers=1, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=16))
+    model = Llama(LlamaConfig.from_hf(dict(vocab_size=10, hidden_size=8, intermediate_size=16,
+                                           num_hidden_layers=1, num_attention_heads=4,
+                                           num_key_value_heads=2, max_position_embeddings=16)))
     f = count_flops(model, 1, 4)
     assert f["projections"] == (2 * 8 * 8 + 2 * 8 * 4 + 2 * 8 * 4 + 2 * 8 * 8) * 4
     assert f["attention"] == 2 * (2 * 1 * 4 * 2 * 10)

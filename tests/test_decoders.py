@@ -133,8 +133,8 @@ def test_cached_decoding_equals_recompute(pair):
     assert cache.length == ids.shape[1]
 
 
-# the default run generates with three families that cover windows in the cache (in
-# llama.py and the shared decoder), soft-capping and partial rotary; the slow run: all
+# the default run generates with three families that cover windows in the cache (on
+# every layer and on alternate ones), soft-capping and partial rotary; the slow run: all
 _QUICK_GENERATION = {"mistral", "gemma2", "phi3"}
 
 

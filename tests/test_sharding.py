@@ -182,9 +182,9 @@ def _meta_llama(tie: bool):
     from headlab.models.llama import Llama, LlamaConfig
 
     with sharding.meta_parameters():
-        return Llama(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=256,
-                                 num_hidden_layers=4, num_attention_heads=4,
-                                 num_key_value_heads=2, tie_word_embeddings=tie))
+        return Llama(LlamaConfig.from_hf(dict(
+            vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)))
 
 
 def test_units_leave_tied_weights_with_the_root():
@@ -418,7 +418,7 @@ def test_one_rank_sharded_repair_failure_leaves_the_model_as_it_came(
     scoring, _ = _halves(reference)
     pruned, _ = sharding.load_sharded(sharding.save_sharded(reference, tmp_path / "p",
                                                             _plan()))
-    norm = reference.blocks[1].input_layernorm.weight.to_local()
+    norm = reference.blocks[1].attn_norm.weight.to_local()
     was = norm[0].item()
     with torch.no_grad():
         norm[0] = float("nan")

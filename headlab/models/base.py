@@ -254,6 +254,14 @@ class HeadModel(nn.Module):
         """Family-specific construction facts beyond the config (e.g. head kind)."""
         return {}
 
+    @classmethod
+    def upgrade(cls, meta: dict[str, Any], state: dict[str, Any]
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A saved directory's config.json and state dict, as an older headlab wrote
+        them, in this family's present format; what is already present passes as it is.
+        The state's values are not read (a loader may pass names in place of tensors)."""
+        return meta, state
+
 
 class DecoderLM(HeadModel):
     """A causal language model: embeddings, causal blocks, a final norm, ``lm_head``.
@@ -391,19 +399,6 @@ def convert_state_dict(
         for name, piece in zip(targets, pieces, strict=True):
             out[name] = piece
     return out
-
-
-def invert_state_dict(
-    state: Mapping[str, torch.Tensor], wmap: WeightMap, n_layers: int, *, prefix: str
-) -> dict[str, torch.Tensor]:
-    """headlab names back to HF names, for maps without splits or transforms."""
-    if wmap.splits or wmap.transforms:
-        raise ValueError("this weight map splits or transforms tensors: invert it by hand")
-    names: dict[str, str] = {hl: _with_prefix(prefix, hf) for hf, hl in wmap.single.items()}
-    for i in range(n_layers):
-        names.update({hl.format(i): _with_prefix(prefix, hf.format(i))
-                      for hf, hl in wmap.per_layer.items()})
-    return {names[k]: v for k, v in state.items() if k in names}
 
 
 def _with_prefix(prefix: str, key: str) -> str:

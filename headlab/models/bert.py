@@ -28,22 +28,8 @@ from torch import nn
 from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
-from headlab.models.base import (
-    BlockInputs,
-    FamilyConfig,
-    HeadModel,
-    ModelOutput,
-    WeightMap,
-    convert_state_dict,
-    load_into,
-)
-from headlab.models.encoder import ACTIVATIONS as _ACTIVATIONS
-from headlab.models.encoder import (
-    HEADS,
-    check_options,
-    pool,
-    sentence_transformers_pooling,
-)
+from headlab.models.base import BlockInputs, FamilyConfig, HeadModel, ModelOutput, WeightMap
+from headlab.models.encoder import HEADS, activation, build, check_options, head_map, head_of, pool
 
 MODEL_TYPES = ("bert",)
 
@@ -84,11 +70,7 @@ class BertConfig(FamilyConfig):
                 "BERT used as a decoder (is_decoder / add_cross_attention) is not "
                 "supported; headlab's BERT is a bidirectional encoder"
             )
-        if hf.get("hidden_act", "gelu") not in _ACTIVATIONS:
-            raise ValueError(
-                f"BERT activation {hf['hidden_act']!r} is not supported; "
-                f"supported: {sorted(_ACTIVATIONS)}"
-            )
+        activation(hf.get("hidden_act", "gelu"), family="BERT")
         hidden, heads = hf.get("hidden_size", 768), hf.get("num_attention_heads", 12)
         if hidden % heads:
             raise ValueError(
@@ -108,7 +90,7 @@ class BertMLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act, family="BERT")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
@@ -148,7 +130,7 @@ class BertMLMHead(nn.Module):
         """``act``: the transform's activation (default: the config's hidden_act)."""
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.act = _ACTIVATIONS[act or cfg.hidden_act]
+        self.act = activation(act or cfg.hidden_act, family="BERT")
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
@@ -338,34 +320,6 @@ _HEAD_WEIGHTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
 }
 
 
-def weight_map(head: str) -> WeightMap:
-    """The backbone mapping plus one head's weights and ignored keys."""
-    single, ignore = _HEAD_WEIGHTS[head]
-    return WeightMap(
-        per_layer=_BACKBONE.per_layer,
-        single={**_BACKBONE.single, **single},
-        ignore=_BACKBONE.ignore + ignore,
-    )
-
-
-def _head_of(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> str:
-    """The head, from the config's architectures, else from which keys are present."""
-    archs = hf_config.get("architectures") or []
-    unknown = [a for a in archs if a not in _ARCHITECTURES]
-    if unknown:
-        raise ValueError(
-            f"BERT architecture {unknown[0]!r} is not supported; supported: "
-            f"{sorted(_ARCHITECTURES)} (a BertModel checkpoint loads as an encoder)"
-        )
-    if archs:
-        return _ARCHITECTURES[archs[0]]
-    if any(k.startswith("classifier.") for k in hf_state):
-        return "classifier"
-    if any(k.startswith("cls.predictions.") for k in hf_state):
-        return "mlm"
-    return "none"
-
-
 def _rename_legacy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Original TF-converted checkpoints name LayerNorm parameters gamma/beta."""
     def fix(k: str) -> str:
@@ -380,20 +334,11 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     directory, tells whether it is a sentence-transformers model and how it pools."""
     cfg = BertConfig.from_hf(hf_config)
     hf_state = _rename_legacy(hf_state)
-    head = _head_of(hf_config, hf_state)
-    if head == "mlm" and hf_config.get("tie_word_embeddings", True) is False:
-        raise ValueError(
-            "BERT masked-LM checkpoints with tie_word_embeddings=false are not supported: "
-            "headlab's MLM decoder is the word embedding matrix"
-        )
-    st = sentence_transformers_pooling(path) if head == "none" else None
-    pooling, normalize = st or ("mean", False)
-    model = Bert(cfg, head=head, pooling=pooling, normalize=normalize)
-    state = convert_state_dict(
-        hf_state, weight_map(head), cfg.num_hidden_layers, prefixes=("bert.", "")
-    )
-    load_into(model, state, what="BERT checkpoint")
-    return model
+    head = head_of(hf_config, hf_state, family="BERT", architectures=_ARCHITECTURES,
+                   mlm_prefix="cls.predictions.")
+    return build(Bert, cfg, hf_config, hf_state, head=head,
+                 wmap=head_map(_BACKBONE, _HEAD_WEIGHTS, head), prefixes=("bert.", ""),
+                 path=path, what="BERT checkpoint")
 
 
 MODEL_CLASS = Bert

@@ -16,7 +16,8 @@ The vocabulary (each family file reads its config.json into these fields):
 * model: embeddings scaled by sqrt(E) in the model dtype, final logit soft-capping.
 
 Names inside a block: ``attn_norm``, ``attn``, ``attn_post_norm``, ``mlp_norm``, ``mlp``,
-``mlp_post_norm`` (absent norms are None); hooks as in every headlab model.
+``mlp_post_norm`` (absent norms are None); hooks as in every headlab model. The norms,
+the MLP and the rotary embeddings come from `headlab.models.layers`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headlab.attention import MultiHeadAttention
@@ -41,13 +41,15 @@ from headlab.models.base import (
     convert_state_dict,
     load_into,
 )
-from headlab.models.llama import RMSNorm, RotaryEmbedding
+from headlab.models.layers import (
+    ACTIVATIONS,
+    MLP,
+    NORMS,
+    RotaryEmbedding,
+    check_rope,
+    make_norm,
+)
 
-NORMS = ("rms", "rms1p", "layer")
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_fast": lambda x: F.gelu(x, approximate="tanh")}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Checkpoint names the Llama-style families share (transformers' `*DecoderLayer`): the
@@ -68,12 +70,6 @@ SINGLE = {"embed_tokens.weight": "embed_tokens.weight", "norm.weight": "norm.wei
 def attention_biases(*names: str) -> dict[str, str]:
     """The checkpoint names of the biases of these attention projections."""
     return {f"layers.{{}}.self_attn.{p}.bias": f"blocks.{{}}.attn.{p}.bias" for p in names}
-
-
-# rope_type -> the keys its parameters must hold besides rope_theta
-ROPE_TYPES = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}
 
 
 @dataclass
@@ -137,22 +133,24 @@ class DecoderConfig(FamilyConfig):
              f"layer_types {sorted(set(self.layer_types))} are not all in {LAYER_TYPES}"),
             ("sliding_attention" not in self.layer_types or self.sliding_window,
              "sliding_attention layers need a sliding_window"),
-            (self.rotary_dim is None or (self.rotary_dim % 2 == 0
-                                         and 0 < self.rotary_dim <= self.head_dim),
-             f"rotary_dim {self.rotary_dim} must be even and in 1..{self.head_dim}"),
+            (self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim,
+             f"rotary_dim {self.rotary_dim} must be in 1..{self.head_dim}"),
+            ((self.rotary_dim or self.head_dim) % 2 == 0,
+             f"rotary embeddings rotate pairs of dimensions: rotary_dim or head_dim must "
+             f"be even, got {self.rotary_dim or self.head_dim}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        for layer_type in set(self.layer_types):
-            rope = self.rope.get(layer_type, {})
-            kind = rope.get("rope_type", "default")
-            if kind not in ROPE_TYPES:
-                raise ValueError(f"rope_type {kind!r} ({layer_type}) is not supported; "
-                                 f"headlab supports {sorted(ROPE_TYPES)}")
-            missing = [k for k in ROPE_TYPES[kind] if k not in rope]
-            if missing:
-                raise ValueError(f"rope of type {kind!r} ({layer_type}) lacks {missing}")
+        for layer_type in sorted(set(self.layer_types)):
+            problem = check_rope(self.layer_rope(layer_type))
+            if problem:
+                raise ValueError(f"{problem} ({layer_type} layers)")
+
+    def layer_rope(self, layer_type: str) -> dict[str, Any]:
+        """The rotary parameters of ``layer_type`` layers (the full-attention ones where
+        the type has none of its own)."""
+        return self.rope.get(layer_type) or self.rope.get("full_attention") or {}
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, None for full attention."""
@@ -222,45 +220,6 @@ def build(cls: type[Decoder], cfg: DecoderConfig, hf_state: dict[str, torch.Tens
 
 
 # ---------------------------------------------------------------------- modules
-class OffsetRMSNorm(nn.Module):
-    """Gemma's RMSNorm: (1 + w) * x / rms(x), all in float32, cast back at the end."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
-
-
-def make_norm(cfg: DecoderConfig, dim: int) -> nn.Module:
-    if cfg.norm == "rms":
-        return RMSNorm(dim, cfg.norm_eps)
-    if cfg.norm == "rms1p":
-        return OffsetRMSNorm(dim, cfg.norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps)
-
-
-class MLP(nn.Module):
-    """Gated: down(act(gate(x)) * up(x)); plain: down(act(up(x)))."""
-
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        E, F_ = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(E, F_, bias=cfg.mlp_bias) if cfg.gated_mlp else None
-        self.up_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(F_, E, bias=cfg.mlp_bias)
-        self.act = ACTIVATIONS[cfg.act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj is None:
-            return self.down_proj(self.act(self.up_proj(x)))  # (B, S, E)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: DecoderConfig, kv_index: list[int] | None) -> None:
         super().__init__()
@@ -269,13 +228,17 @@ class DecoderBlock(nn.Module):
         else:  # a pruned layer: its heads and groups come from the saved layout
             n_heads, n_kv = len(kv_index), (max(kv_index) + 1 if kv_index else 0)
         E, D = cfg.hidden_size, cfg.head_dim
+
+        def norm(dim: int) -> nn.Module:
+            return make_norm(cfg.norm, dim, cfg.norm_eps)
+
         q_norm = k_norm = None
         if cfg.qk_norm == "head":
-            q_norm, k_norm = make_norm(cfg, D), make_norm(cfg, D)
+            q_norm, k_norm = norm(D), norm(D)
         elif cfg.qk_norm == "projection":
-            q_norm, k_norm = make_norm(cfg, n_heads * D), make_norm(cfg, n_kv * D)
+            q_norm, k_norm = norm(n_heads * D), norm(n_kv * D)
         scalar = cfg.query_pre_attn_scalar
-        self.attn_norm = make_norm(cfg, E) if cfg.pre_norms else None
+        self.attn_norm = norm(E) if cfg.pre_norms else None
         self.attn = MultiHeadAttention(
             d_model=E, n_heads=n_heads, n_kv_heads=n_kv, head_dim=D, bias=cfg.qkv_bias,
             out_bias=cfg.out_bias, scale=scalar**-0.5 if scalar else D**-0.5,
@@ -283,10 +246,11 @@ class DecoderBlock(nn.Module):
             qk_norm_scope=cfg.qk_norm or "head", softcap=cfg.attn_softcap,
         )
         self.attn.n_original_heads = cfg.num_attention_heads
-        self.attn_post_norm = make_norm(cfg, E) if cfg.post_norms else None
-        self.mlp_norm = make_norm(cfg, E) if cfg.pre_norms else None
-        self.mlp = MLP(cfg)
-        self.mlp_post_norm = make_norm(cfg, E) if cfg.post_norms else None
+        self.attn_post_norm = norm(E) if cfg.post_norms else None
+        self.mlp_norm = norm(E) if cfg.pre_norms else None
+        self.mlp = MLP(E, cfg.intermediate_size, gated=cfg.gated_mlp, act=cfg.act,
+                       bias=cfg.mlp_bias)
+        self.mlp_post_norm = norm(E) if cfg.post_norms else None
         self.parallel = cfg.parallel_residual
         self.resid_pre = HookPoint()  # (B, S, E)
         self.resid_mid = HookPoint()  # (B, S, E); not reached with a parallel residual
@@ -314,23 +278,6 @@ class DecoderBlock(nn.Module):
         return run_hook(self.resid_post, x)
 
 
-@dataclass(frozen=True)
-class _RopeSpec:
-    """What `headlab.models.llama.rope_inv_freq` reads, for one layer type."""
-
-    head_dim: int
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-
-
-def _rotary(cfg: DecoderConfig, layer_type: str) -> RotaryEmbedding:
-    rope = dict(cfg.rope.get(layer_type) or cfg.rope.get("full_attention") or {})
-    theta = float(rope.pop("rope_theta", 10000.0))
-    kind = rope.get("rope_type", "default")
-    scaling = None if kind == "default" else rope
-    return RotaryEmbedding(_RopeSpec(cfg.rotary_dim or cfg.head_dim, theta, scaling))
-
-
 class Decoder(DecoderLM):
     """A causal LM built from `DecoderConfig`; family files subclass it to name the
     family, its weight map and its export."""
@@ -352,9 +299,11 @@ class Decoder(DecoderLM):
             )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         types = sorted(set(config.layer_types))
-        self.rotary = nn.ModuleDict({t: _rotary(config, t) for t in types})
+        dim = config.rotary_dim or config.head_dim
+        self.rotary = nn.ModuleDict({t: RotaryEmbedding(dim, config.layer_rope(t))
+                                     for t in types})
         self.blocks = nn.ModuleList(DecoderBlock(config, kv) for kv in layout)
-        self.norm = make_norm(config, config.hidden_size)
+        self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -424,7 +373,8 @@ class Decoder(DecoderLM):
         if self._hf_export_unsupported or self.hf_attention_bias_key or self.config.out_bias:
             return self._hf_export_unsupported
         if any(a.o_proj.bias is not None for a in self.attentions):
-            return (f"recovery gave W_O a bias, which the HF {self.family} config cannot "
+            model_type = self.config.hf_config.get("model_type", self.family)
+            return (f"recovery gave W_O a bias, which the HF {model_type} config cannot "
                     "hold; repair with --recover none or rescale to export")
         return None
 
@@ -438,6 +388,9 @@ class Decoder(DecoderLM):
         HF names (fused tensors fused again)."""
         cfg = self.config
         hf = dict(cfg.hf_config)
+        # what is written is plain tensors, whatever the source held (a GGUF file's
+        # quantisation, which transformers records in the config it reads from GGUF)
+        hf.pop("quantization_config", None)
         hf.update(num_attention_heads=self.heads_per_layer[0],
                   num_key_value_heads=self.kv_heads_per_layer[0], head_dim=cfg.head_dim)
         state = {k: v for k, v in self.state_dict().items()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from headlab.models.base import WeightMap
 from headlab.models.bert import Bert, BertConfig
-from headlab.models.encoder import build, head_of
+from headlab.models.encoder import build, head_map, head_of
 
 MODEL_TYPES = ("distilbert",)
 _ARCHITECTURES = {"DistilBertModel": "none", "DistilBertForMaskedLM": "mlm",
@@ -99,13 +99,6 @@ class DistilBert(Bert):
     pooler_activation = staticmethod(F.relu)
 
 
-def weight_map(head: str) -> WeightMap:
-    """The backbone mapping plus one head's weights and ignored keys."""
-    single, ignore = _HEAD_WEIGHTS[head]
-    return WeightMap(per_layer=_BACKBONE.per_layer, single={**_BACKBONE.single, **single},
-                     ignore=_BACKBONE.ignore + ignore)
-
-
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) -> DistilBert:
     """Build a DistilBert from an HF config dict and state dict (DistilBertModel,
     ForMaskedLM, ForSequenceClassification); ``path``, the checkpoint directory, tells
@@ -113,8 +106,9 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     cfg = DistilBertConfig.from_hf(hf_config)
     head = head_of(hf_config, hf_state, family="DistilBERT", architectures=_ARCHITECTURES,
                    mlm_prefix="vocab_")
-    return build(DistilBert, cfg, hf_config, hf_state, head=head, wmap=weight_map(head),
-                 prefixes=("distilbert.", ""), path=path, what="DistilBERT checkpoint")
+    return build(DistilBert, cfg, hf_config, hf_state, head=head,
+                 wmap=head_map(_BACKBONE, _HEAD_WEIGHTS, head), prefixes=("distilbert.", ""),
+                 path=path, what="DistilBERT checkpoint")
 
 
 MODEL_CLASS = DistilBert

@@ -1,7 +1,8 @@
 """What the bidirectional encoder families share (BERT, RoBERTa, DistilBERT, ModernBERT).
 
-Activations by their HF names, the pooling of hidden states into sentence embeddings
-as sentence-transformers does it, and the reading of a sentence-transformers pipeline
+Their options (head, pooling), the head a checkpoint carries and the building of the
+model from it, the pooling of hidden states into sentence embeddings as
+sentence-transformers does it, and the reading of a sentence-transformers pipeline
 (``modules.json``) that says which pooling a checkpoint directory uses.
 """
 
@@ -13,16 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from headlab.models.base import convert_state_dict, load_into
+from headlab.models.base import WeightMap, convert_state_dict, load_into
+from headlab.models.layers import ACTIVATIONS
 
-ACTIVATIONS = {
-    "gelu": F.gelu,  # exact (erf) GELU, as HF's "gelu"
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
 POOLINGS = ("mean", "cls", "max")
 # an encoder's head -> the kind of model it makes (headlab.objectives)
 HEADS = {"mlm": "masked-lm", "classifier": "classifier", "none": "embedding"}
@@ -132,6 +126,15 @@ def head_of(hf_config: dict, hf_state: dict[str, torch.Tensor], *, family: str,
     if any(k.startswith(mlm_prefix) for k in hf_state):
         return "mlm"
     return "none"
+
+
+def head_map(backbone: WeightMap, heads: dict[str, tuple[dict[str, str], tuple[str, ...]]],
+             head: str) -> WeightMap:
+    """The backbone's mapping plus ``heads[head]``: that head's weights, and the known
+    checkpoint parts it does not use (ignored)."""
+    single, ignore = heads[head]
+    return WeightMap(per_layer=backbone.per_layer, single={**backbone.single, **single},
+                     ignore=backbone.ignore + ignore)
 
 
 def build(model_class, cfg, hf_config: dict, hf_state: dict[str, torch.Tensor], *,

@@ -208,6 +208,7 @@ def _rebuild(meta: dict, state: dict[str, torch.Tensor], path: Path) -> HeadMode
     module = importlib.import_module(_FAMILY_MODULES[family])
     # a module holding several families names each one's class in MODEL_CLASSES
     cls = getattr(module, "MODEL_CLASSES", {}).get(family, module.MODEL_CLASS)
+    meta, state = cls.upgrade(meta, state)  # a directory an older headlab wrote
     config = cls.config_class.from_dict(meta["config"])
     model = cls(config, layout=meta["layout"], **meta.get("extra", {}))
     for attn, has_bias in zip(model.attentions, meta.get("out_bias") or [], strict=False):

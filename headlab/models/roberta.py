@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.models.base import WeightMap
 from headlab.models.bert import _BACKBONE, Bert, BertConfig
-from headlab.models.encoder import build, head_of
+from headlab.models.encoder import build, head_map, head_of
 
 MODEL_TYPES = ("roberta", "xlm-roberta")
 # HF architecture -> headlab head
@@ -104,13 +103,6 @@ class Roberta(Bert):
         return torch.cumsum(real, dim=1).type_as(real) * real + pad
 
 
-def weight_map(head: str) -> WeightMap:
-    """BERT's backbone mapping plus one RoBERTa head's weights and ignored keys."""
-    single, ignore = _HEAD_WEIGHTS[head]
-    return WeightMap(per_layer=_BACKBONE.per_layer, single={**_BACKBONE.single, **single},
-                     ignore=_BACKBONE.ignore + ignore)
-
-
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) -> Roberta:
     """Build a Roberta from an HF config dict and state dict ((XLM)RobertaModel,
     ForMaskedLM, ForSequenceClassification); ``path``, the checkpoint directory, tells
@@ -118,8 +110,9 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     cfg = RobertaConfig.from_hf(hf_config)
     head = head_of(hf_config, hf_state, family="RoBERTa", architectures=_ARCHITECTURES,
                    mlm_prefix="lm_head.")
-    return build(Roberta, cfg, hf_config, hf_state, head=head, wmap=weight_map(head),
-                 prefixes=("roberta.", ""), path=path, what="RoBERTa checkpoint")
+    return build(Roberta, cfg, hf_config, hf_state, head=head,
+                 wmap=head_map(_BACKBONE, _HEAD_WEIGHTS, head), prefixes=("roberta.", ""),
+                 path=path, what="RoBERTa checkpoint")
 
 
 MODEL_CLASS = Roberta
