@@ -43,7 +43,7 @@ from headlab.hooks import capture
 from headlab.importance import HeadScores
 from headlab.models.base import DecoderLM, HeadModel
 from headlab.models.bert import Bert
-from headlab.models.decoder import OffsetRMSNorm, RMSNorm
+from headlab.models.layers import RMSNorm
 from headlab.objectives import objective_for
 
 __all__ = ["LogitAttribution", "logit_attribution"]
@@ -199,10 +199,8 @@ def _frozen_norm(norm: nn.Module, x: torch.Tensor):
         inv = float(1.0 / torch.sqrt(x.var(unbiased=False) + eps))
         bias = norm.bias.double() if norm.bias is not None else torch.zeros_like(weight)
         return (lambda c: weight * (c - c.mean(-1, keepdim=True)) * inv), bias, inv
-    if isinstance(norm, OffsetRMSNorm):  # Gemma: (1 + w) * x / rms(x)
-        weight = 1.0 + norm.weight.double()
-    elif isinstance(norm, RMSNorm):
-        weight = norm.weight.double()
+    if isinstance(norm, RMSNorm):  # w * x / rms(x); Gemma's gain is 1 + w
+        weight = norm.gain().double()
     else:
         raise UserError(f"direct logit attribution freezes LayerNorm and RMSNorm; this "
                         f"model's norm is a {type(norm).__name__}")

@@ -41,17 +41,23 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    def gain(self) -> torch.Tensor:
+        """The elementwise factor applied after x / rms(x) (E,)."""
+        return self.weight
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: (1 + w) * x / rms(x), all in float32, cast back at the end."""
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def gain(self) -> torch.Tensor:
+        return 1.0 + self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
