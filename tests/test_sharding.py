@@ -587,3 +587,33 @@ def test_one_rank_keeps_demotions_through_both_writers_and_readers(one_rank_grou
     back = headlab.load(sharding.save_sharded(model, tmp_path / "sharded"), tokenizer=False)
     assert [a.streaming for a in back.attentions] == streaming
     _same_outputs(back, plain)
+
+
+def test_one_rank_reads_a_directory_its_family_upgrades(one_rank_group, tmp_path,
+                                                        monkeypatch):
+    """Both readers give the stored tensors to the family's `upgrade` before building: a
+    renamed tensor is still read by rows, one the upgrade computes makes the sharded
+    reader read the model whole; either way the model is the one saved."""
+    from safetensors.torch import load_file, save_file
+
+    plain, saved = _saved("qwen3", tmp_path)
+    file = saved / "model.safetensors"
+    state = load_file(str(file))
+    state["old_norm.weight"] = state.pop("norm.weight")  # as an older headlab named it
+    save_file(state, str(file), metadata={"format": "pt"})
+
+    def renamed(cls, meta, state):
+        state = dict(state)
+        state["norm.weight"] = state.pop("old_norm.weight")
+        return meta, state
+
+    def computed(cls, meta, state):
+        meta, state = renamed(cls, meta, state)
+        return meta, {**state, "norm.weight": state["norm.weight"] * 1.0}
+
+    for upgrade, sliced in ((renamed, True), (computed, False)):
+        monkeypatch.setattr(type(plain), "upgrade", classmethod(upgrade))
+        _same_outputs(headlab.load(saved, tokenizer=False), plain)
+        model, reads = sharding.load_sharded(saved)
+        assert reads.sliced is sliced
+        _same_outputs(model, plain)

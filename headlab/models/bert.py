@@ -29,6 +29,7 @@ from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
 from headlab.models.base import (
+    Absent,
     BlockInputs,
     FamilyConfig,
     HeadModel,
@@ -44,6 +45,7 @@ from headlab.models.encoder import (
     pool,
     sentence_transformers_pooling,
 )
+from headlab.models.registry import register
 
 MODEL_TYPES = ("bert",)
 
@@ -163,6 +165,7 @@ class Bert(HeadModel):
 
     family = "bert"
     mlp_down = "mlp.proj"
+    final_norm = Absent("post-norm: each block ends in its own LayerNorm, none follows the last")
     config_class = BertConfig
     # why `--export hf` keeps the headlab format (headlab.models.export): a pruned layer
     # has fewer heads of the same size, which the HF config cannot say
@@ -396,4 +399,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return model
 
 
-MODEL_CLASS = Bert
+register(Bert, hf_types=MODEL_TYPES, from_hf=from_hf)

@@ -28,6 +28,7 @@ from headlab.models.base import (
     invert_state_dict,
     load_into,
 )
+from headlab.models.registry import register
 
 MODEL_TYPES = ("llama", "mistral")
 
@@ -309,6 +310,7 @@ class Llama(DecoderLM):
 
     # ---------------------------------------------------------------- HF export
     hf_export_unsupported = None  # whole, equal GQA groups export as they are
+    hf_attention_bias_key = "attention_bias"
 
     def to_hf(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """An HF config dict and state dict for a (uniformly pruned) Llama/Mistral.
@@ -422,4 +424,5 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return model
 
 
-MODEL_CLASS = Llama
+register(Llama, hf_types=MODEL_TYPES, from_hf=from_hf, read_config=LlamaConfig.from_hf,
+         weight_map=weight_map)

@@ -23,6 +23,7 @@ import torch
 from headlab.models.base import WeightMap
 from headlab.models.bert import _BACKBONE, Bert, BertConfig
 from headlab.models.encoder import build, head_of
+from headlab.models.registry import register
 
 MODEL_TYPES = ("roberta", "xlm-roberta")
 # HF architecture -> headlab head
@@ -122,4 +123,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
                  prefixes=("roberta.", ""), path=path, what="RoBERTa checkpoint")
 
 
-MODEL_CLASS = Roberta
+register(Roberta, hf_types=MODEL_TYPES, from_hf=from_hf)
