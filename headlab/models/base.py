@@ -1,8 +1,11 @@
-"""What every headlab model shares: structure, gates, pruning, saving, weight conversion.
+"""What every headlab model shares: the model interface, structure, gates, pruning,
+weight conversion.
 
-A family file (gpt2.py, bert.py, llama.py) subclasses `HeadModel`, builds its blocks
-(each with an ``attn`` that is a `headlab.attention.MultiHeadAttention`) and declares
-its weight mapping from Hugging Face names as data, converted by `convert_state_dict`.
+A family file (gpt2.py, bert.py, llama.py) subclasses `HeadModel`, declares each piece
+of its interface, builds its blocks (each with an ``attn`` that is a
+`headlab.attention.MultiHeadAttention`), declares its weight mapping from Hugging Face
+names as data, converted by `convert_state_dict`, and registers its class
+(`headlab.models.registry`). Models are saved through `headlab.models.format`.
 """
 
 from __future__ import annotations
