@@ -168,9 +168,9 @@ def measure_decode(before: HeadModel, after: HeadModel, *, contexts: list[int],
                    steps: int) -> list[DecodeSpeed]:
     """Tokens/s of both models at each context (capped by the model's positions)."""
     out = []
-    limit = getattr(before, "max_positions", None)
+    limit = before.max_positions
     for context in contexts:
-        if limit is not None and context + steps + 1 > limit:
+        if context + steps + 1 > limit:
             context = limit - steps - 1
         t = decode_step_times({"before": before, "after": after}, context=context,
                               steps=steps)

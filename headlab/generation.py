@@ -74,8 +74,8 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     _check_sampling(temperature, top_k, top_p)
     B, S = input_ids.shape
-    limit = getattr(model, "max_positions", None)
-    if limit is not None and S + max_new_tokens > limit:
+    limit = model.max_positions
+    if S + max_new_tokens > limit:
         raise ValueError(
             f"{S} prompt tokens + {max_new_tokens} new ones exceed the model's {limit} "
             "positions; shorten the prompt or ask for fewer tokens"

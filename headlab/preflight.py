@@ -21,6 +21,7 @@ from headlab.config import RunConfig
 from headlab.data import BUNDLED_SPEC, load_texts
 from headlab.errors import RunLockedError, UserError
 from headlab.filecheck import check_dataset_spec, check_safetensors, read_config, read_gguf_header
+from headlab.models.format import is_headlab
 from headlab.models.loading import BUNDLED, bundled_path, gguf_cache_dir
 from headlab.selection import heads_to_keep
 
@@ -115,7 +116,7 @@ def _from_dir(path: Path) -> tuple[int | None, int | None]:
     n_params = 0
     for f in sorted(path.glob("*.safetensors")):
         n_params += _safetensors_params(f)
-    inner = config.get("config") if "headlab_format" in config else config
+    inner = config.get("config") if is_headlab(config) else config
     if not isinstance(inner, dict):
         return None, n_params or None
     layers = next((inner[k] for k in _LAYER_KEYS if k in inner), None)

@@ -27,7 +27,6 @@ Layer-wise repair of a sharded model gathers one block at a time too
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,16 +37,13 @@ import torch.distributed as dist
 from torch import nn
 
 from headlab import distributed
-from headlab._io import atomic_write_text
 from headlab.errors import UserError
 from headlab.memory import check_memory, units
-from headlab.models.base import HEADLAB_FORMAT, HeadModel
+from headlab.models import format, registry
+from headlab.models.base import HeadModel
 from headlab.selection import PrunePlan
 
 SHARDING = ("fsdp",)
-# HF model types whose every tensor is a headlab tensor renamed (`weight_map(config)`),
-# so a rank can read its rows of it; the others are read whole
-SLICED_HF_TYPES = ("llama", "mistral")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -95,10 +91,11 @@ def load_sharded(name_or_path: str | Path, *, device: str = "cpu",
                  models: int = 1) -> tuple[HeadModel, Reads]:
     """The model at ``name_or_path``, sharded, each rank holding only its rows.
 
-    Where every headlab tensor is one checkpoint tensor renamed (headlab directories,
-    Llama-family checkpoints), the model is built on the meta device and each rank
-    reads only its rows through safetensors slices. Elsewhere (GPT-2's fused, transposed
-    c_attn; a GGUF file not yet converted; hub ids) every rank loads the whole model,
+    Where every headlab tensor is one checkpoint tensor renamed (headlab directories;
+    the checkpoints of families registered with a weight map, `registry.Family`), the
+    model is built on the meta device and each rank reads only its rows through
+    safetensors slices. Elsewhere (GPT-2's fused, transposed c_attn; a GGUF file not
+    yet converted; hub ids) every rank loads the whole model,
     then shards it. With ``batch_size``, `check_memory` refuses what would not fit
     (with ``models`` models of this size held per rank), before any weight is read
     (after, for a model read whole).
@@ -134,40 +131,32 @@ def load_sharded(name_or_path: str | Path, *, device: str = "cpu",
 def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str]] | None:
     """The model of ``path`` with meta parameters (real buffers) and each headlab
     tensor's checkpoint name; None where ``path`` is no safetensors checkpoint that
-    `SLICED_HF_TYPES` or headlab's format covers."""
-    from headlab.models.loading import _FAMILY_MODULES, FAMILIES
-
+    headlab's format or a registered weight map covers."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file() or not any(path.glob("*.safetensors")):
         return None
     config = json.loads(cfg_file.read_text())
-    if "headlab_format" in config:
-        if config["headlab_format"] != HEADLAB_FORMAT or config.get("family") \
-                not in _FAMILY_MODULES:
-            return None
-        cls = importlib.import_module(_FAMILY_MODULES[config["family"]]).MODEL_CLASS
-        config, names = cls.upgrade(config, {k: k for k in _key_files(path)})
+    if format.is_headlab(config):
+        stored = _stored(path)
         with meta_parameters():
-            model = cls(cls.config_class.from_dict(config["config"]), layout=config["layout"],
-                        **config.get("extra", {}))
-            for attn, bias in zip(model.attentions, config.get("out_bias") or [],
-                                  strict=False):
-                if bias:
-                    attn.ensure_out_bias()
-        return model, {k: names.get(k, k) for k in model.state_dict()}
-    if config.get("model_type") not in SLICED_HF_TYPES:
+            model, state = format.build(config, stored, path)
+        names = {id(t): k for k, t in stored.items()}
+        if any(id(t) not in names for t in state.values()):
+            return None  # the family's upgrade computed tensors: read the model whole
+        return model, {**{k: k for k in model.state_dict()},
+                       **{k: names[id(t)] for k, t in state.items()}}
+    family = registry.by_hf_type(config.get("model_type", "?"))
+    if family.weight_map is None:
         return None
-    module = importlib.import_module(FAMILIES[config["model_type"]])
-    cls = module.MODEL_CLASS
-    cfg = cls.config_class.from_hf(config)
-    wmap = module.weight_map(cfg)
+    cfg = family.read_config(config)
+    wmap = family.weight_map(cfg)
     keys = set(_key_files(path))
     probe = next(iter(wmap.per_layer)).format(0)
     prefix = next((p for p in ("model.", "") if p + probe in keys), None)
     if wmap.splits or wmap.transforms or prefix is None:
         return None
     with meta_parameters():
-        model = cls(cfg)
+        model = family.cls(cfg)
 
     def hf(template: str) -> str:
         return template[1:] if template.startswith("^") else prefix + template
@@ -176,6 +165,22 @@ def _built_on_meta(path: Path) -> tuple[HeadModel, dict[str, str]] | None:
     for i in range(model.n_layers):
         names.update({hl.format(i): hf(k.format(i)) for k, hl in wmap.per_layer.items()})
     return model, names
+
+
+def _stored(path: Path) -> dict[str, torch.Tensor]:
+    """Each tensor of the checkpoint as a meta tensor of its shape and dtype: nothing is
+    read but a zero-row slice (its dtype)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 (safe_open is no dict)
+                piece = h.get_slice(k)
+                shape = piece.get_shape()
+                dtype = (piece[:0] if shape else h.get_tensor(k)).dtype
+                out[k] = torch.empty(shape, dtype=dtype, device="meta")
+    return out
 
 
 @contextlib.contextmanager
@@ -265,14 +270,13 @@ def _read_rows(model: HeadModel, path: Path, names: dict[str, str],
 def save_sharded(model: HeadModel, directory: str | Path,
                  plan: PrunePlan | None = None) -> Path:
     """Write the sharded ``model``, less ``plan.pruned`` if given, as a headlab
-    directory: one safetensors file per block and one for the rest, with their index.
+    directory (`headlab.models.format`): one safetensors file per block and one for the
+    rest, with their index.
 
     Every rank gathers one block at a time (collectives); rank 0 alone holds the whole
     block, prunes it as `headlab.prune` would and writes it, so no rank ever holds more
     than one whole block beyond its shards.
     """
-    from safetensors.torch import save_file
-
     main = distributed.is_main()
     directory = Path(directory)
     cls = next(c for c in type(model).__mro__
@@ -280,8 +284,8 @@ def save_sharded(model: HeadModel, directory: str | Path,
     with meta_parameters():
         skeleton = cls(model.config, layout=model.layout(), **model.extra_config())
     n = model.n_layers
-    weight_map: dict[str, str] = {}
-    layout, out_bias = [], []
+    files: dict[str, str] = {}
+    layers = []
     if main:
         directory.mkdir(parents=True, exist_ok=True)
     for i, block in enumerate(model.blocks):
@@ -294,45 +298,24 @@ def save_sharded(model: HeadModel, directory: str | Path,
         plain.to_empty(device="cpu")
         plain.load_state_dict(state)
         plain.attn._refresh_layout()
+        plain.attn.streaming = block.attn.streaming
         if plan is not None:
             plain.attn.prune_heads(plan.pruned.get(i, []))
             plain.attn.set_gates(torch.ones(plain.attn.n_heads))
-        layout.append(plain.attn.kv_index.tolist())
-        out_bias.append(plain.attn.o_proj.bias is not None)
+        layers.append(format.layer_meta(plain.attn))
         name = f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors"
-        tensors = {f"blocks.{i}.{k}": v.contiguous() for k, v in plain.state_dict().items()}
-        save_file(tensors, str(directory / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in tensors})
+        tensors = {f"blocks.{i}.{k}": v for k, v in plain.state_dict().items()}
+        format.write_tensors(directory / name, tensors)
+        files.update(dict.fromkeys(tensors, name))
         skeleton.blocks[i] = plain.to("meta")
     rest = {k: _whole(v) for k, v in model.state_dict().items() if not k.startswith("blocks.")}
     if main:
         name = f"model-{n + 1:05d}-of-{n + 1:05d}.safetensors"
-        save_file(_unshared(rest), str(directory / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in rest})
-        atomic_write_text(directory / "model.safetensors.index.json", json.dumps(
-            {"metadata": {"format": "pt"}, "weight_map": weight_map}, indent=2))
-        meta = {"headlab_format": HEADLAB_FORMAT, "family": model.family, "kind": model.kind,
-                "config": model.config.to_dict(), "extra": model.extra_config(),
-                "layout": layout, "out_bias": out_bias}
-        atomic_write_text(directory / "config.json", json.dumps(meta, indent=2))
-        if model.tokenizer is not None:
-            model.tokenizer.save_pretrained(str(directory))
+        format.write_tensors(directory / name, rest)
+        files.update(dict.fromkeys(rest, name))
+        format.write_meta(model, directory, layers, files=files)
     distributed.barrier()
     return directory
-
-
-def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each name its own contiguous tensor, as safetensors wants: the names of a tied
-    weight gather into one copy each on several ranks, but share one on a single rank."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in tensors.items():
-        v = v.contiguous()
-        if v.untyped_storage().data_ptr() in seen:
-            v = v.clone()
-        seen.add(v.untyped_storage().data_ptr())
-        out[k] = v
-    return out
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -232,11 +232,11 @@ def test_a_right_padded_row_equals_the_row_alone(tmp_path, family):
     ],
 )
 def test_unsupported_configs_are_refused(family, change, message):
-    from headlab.models.loading import _family
+    from headlab.models import registry
 
     hf = FAMILIES[family].hf_config()
     with pytest.raises(ValueError, match=message):
-        _family(hf.model_type).from_hf({**hf.to_dict(), **change}, {})
+        registry.by_hf_type(hf.model_type).from_hf({**hf.to_dict(), **change}, {})
 
 
 @pytest.mark.parametrize("family", NAMES)

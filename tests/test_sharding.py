@@ -523,3 +523,97 @@ def test_sharded_ranks_distil_like_one_process(tiny_llama_shards, tmp_path):
     resumed, whole = (headlab.load(tmp_path / n).state_dict() for n in ("resumed", "all"))
     for k in whole:
         torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- the model directory
+def _saved(case: str, tmp_path: Path):
+    """A tiny random ``case`` checkpoint of test_decoders, loaded and saved by headlab:
+    (the plain model, its headlab directory)."""
+    from test_decoders import _checkpoint
+
+    model = headlab.load(_checkpoint(tmp_path / f"{case}-hf", case), tokenizer=False)
+    return model, model.save(tmp_path / f"{case}-saved")
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _same_outputs(a, b) -> None:
+    with torch.no_grad():
+        torch.testing.assert_close(a(_ids()).logits, b(_ids()).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("case", "cls"), [("qwen3", "qwen.Qwen3"), ("gemma3", "gemma.Gemma3")])
+def test_one_rank_reads_a_saved_directory_as_its_own_class(one_rank_group, tmp_path, case,
+                                                           cls):
+    """A saved Qwen3 (Gemma-3) directory read by the sharded reader is a Qwen3 (Gemma3),
+    not the Qwen2 (Gemma2) its module names first, with the plain model's outputs; the
+    sharded writer's directory reads back as that class too."""
+    import importlib
+
+    module, name = cls.split(".")
+    expected = getattr(importlib.import_module(f"headlab.models.{module}"), name)
+    plain, saved = _saved(case, tmp_path)
+    model, reads = sharding.load_sharded(saved)
+    assert reads.sliced and isinstance(model, expected)
+    _same_outputs(model, plain)
+    again = headlab.load(sharding.save_sharded(model, tmp_path / "resaved"), tokenizer=False)
+    assert type(again) is expected
+    _same_outputs(again, plain)
+
+
+def test_one_rank_keeps_demotions_through_both_writers_and_readers(one_rank_group, tmp_path):
+    """Demoted heads (a sink + window cache) survive the plain save read sharded and the
+    sharded save read plainly: the same ``attn.streaming`` and outputs, where a window of
+    3 over 12 tokens changes them."""
+    from headlab.pruning import copy_model, demote
+    from headlab.selection import PrunePlan
+
+    undemoted, saved = _saved("qwen3", tmp_path)
+    plan = PrunePlan(kept={0: [2, 3], 1: [0, 1]}, pruned={0: [0, 1], 1: [2, 3]}).as_demotion()
+    plain = demote(copy_model(undemoted), plan, sinks=1, window=3)
+    streaming = [a.streaming for a in plain.attentions]
+    assert all(s is not None for s in streaming)
+    with torch.no_grad():
+        assert not torch.allclose(plain(_ids()).logits, undemoted(_ids()).logits)
+
+    model, _ = sharding.load_sharded(plain.save(tmp_path / "demoted"))
+    assert [a.streaming for a in model.attentions] == streaming
+    _same_outputs(model, plain)
+
+    model, _ = sharding.load_sharded(saved)
+    demote(model, plan, sinks=1, window=3)
+    back = headlab.load(sharding.save_sharded(model, tmp_path / "sharded"), tokenizer=False)
+    assert [a.streaming for a in back.attentions] == streaming
+    _same_outputs(back, plain)
+
+
+def test_one_rank_reads_a_directory_its_family_upgrades(one_rank_group, tmp_path,
+                                                        monkeypatch):
+    """Both readers give the stored tensors to the family's `upgrade` before building: a
+    renamed tensor is still read by rows, one the upgrade computes makes the sharded
+    reader read the model whole; either way the model is the one saved."""
+    from safetensors.torch import load_file, save_file
+
+    plain, saved = _saved("qwen3", tmp_path)
+    file = saved / "model.safetensors"
+    state = load_file(str(file))
+    state["old_norm.weight"] = state.pop("norm.weight")  # as an older headlab named it
+    save_file(state, str(file), metadata={"format": "pt"})
+
+    def renamed(cls, meta, state):
+        state = dict(state)
+        state["norm.weight"] = state.pop("old_norm.weight")
+        return meta, state
+
+    def computed(cls, meta, state):
+        meta, state = renamed(cls, meta, state)
+        return meta, {**state, "norm.weight": state["norm.weight"] * 1.0}
+
+    for upgrade, sliced in ((renamed, True), (computed, False)):
+        monkeypatch.setattr(type(plain), "upgrade", classmethod(upgrade))
+        _same_outputs(headlab.load(saved, tokenizer=False), plain)
+        model, reads = sharding.load_sharded(saved)
+        assert reads.sliced is sliced
+        _same_outputs(model, plain)

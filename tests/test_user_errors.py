@@ -290,13 +290,13 @@ def test_full_disk_during_the_model_save_fails_the_run_cleanly(capsys, monkeypat
     status.json says failed and nothing of the model is left to pass for complete."""
     from safetensors import SafetensorError
 
-    import headlab.models.base
+    import headlab.models.format
 
     def full_disk(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device "
                               "(os error 28)")
 
-    monkeypatch.setattr(headlab.models.base, "save_file", full_disk)
+    monkeypatch.setattr(headlab.models.format, "save_file", full_disk)
     out = tmp_path / "run"
     text = tmp_path / "text.txt"
     text.write_text(bundled_text()[:20_000])

@@ -1,13 +1,16 @@
-"""What every headlab model shares: structure, gates, pruning, saving, weight conversion.
+"""What every headlab model shares: the model interface, structure, gates, pruning,
+weight conversion.
 
-A family file (gpt2.py, bert.py, llama.py) subclasses `HeadModel`, builds its blocks
-(each with an ``attn`` that is a `headlab.attention.MultiHeadAttention`) and declares
-its weight mapping from Hugging Face names as data, converted by `convert_state_dict`.
+A family file (gpt2.py, bert.py, llama.py) subclasses `HeadModel`, declares each piece
+of its interface, builds its blocks (each with an ``attn`` that is a
+`headlab.attention.MultiHeadAttention`), declares its weight mapping from Hugging Face
+names as data, converted by `convert_state_dict`, and registers its class
+(`headlab.models.registry`). Models are saved through `headlab.models.format`.
 """
 
 from __future__ import annotations
 
-import json
+import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -15,15 +18,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from headlab._io import atomic_path, atomic_write_text, os_error
 from headlab.attention import MultiHeadAttention
 from headlab.kv_cache import KVCache
 from headlab.streaming import StreamingCache, cache_bytes, n_streaming
-
-HEADLAB_FORMAT = 1
 
 
 @dataclass
@@ -83,21 +82,30 @@ class FamilyConfig:
         return {k: hf[k] for k in cls.__dataclass_fields__ if k in hf and k not in skip}
 
 
+@dataclass(frozen=True)
+class Absent:
+    """A piece of the model interface that a family does not have, and why. Falsy, so
+    ``if model.mlp_down:`` reads "the family has one"."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
 class HeadModel(nn.Module):
     """A transformer whose every block has ``attn``, a MultiHeadAttention.
 
     Subclasses set ``family`` and ``kind`` and implement ``forward(input_ids,
-    attention_mask=None, *, cache=None, position_ids=None) -> ModelOutput``.
+    attention_mask=None, *, cache=None, position_ids=None) -> ModelOutput``. A family
+    declares every piece of the model interface below, each a value or an `Absent`
+    saying why it has none: `headlab.models.registry.register` refuses a class that
+    leaves one out (`interface_gaps`).
     """
 
     family: ClassVar[str] = ""
     causal: ClassVar[bool] = False  # whether a query attends only to itself and the past
-    # each block's MLP down projection (F -> E), relative to the block: recovery refits it
-    mlp_down: ClassVar[str | None] = None
     config_class: ClassVar[type[FamilyConfig]]
-    # why pruned models of this family have no Hugging Face export (see models.export);
-    # a family that has one sets None and defines to_hf(self) -> (config, state dict)
-    hf_export_unsupported: ClassVar[str | None] = "headlab has no Hugging Face export for it"
     # capabilities this family lacks (features of the conformance matrix, tests/_families.py)
     # -> why; what follows from the kind (an encoder keeps no KV cache) is not declared
     not_applicable: ClassVar[Mapping[str, str]] = {}
@@ -105,9 +113,62 @@ class HeadModel(nn.Module):
     blocks: nn.ModuleList
     tokenizer: Any = None
 
+    # ---------------------------------------------------------------- the model interface
+    # the norm between the last block and the output (direct logit attribution reads
+    # the residual stream through it): a property, or a module set in __init__ and
+    # declared by an annotation, or Absent
+    final_norm: nn.Module | Absent
+    # each block's MLP down projection (F -> E), a dotted path relative to the block:
+    # recovery refits it
+    mlp_down: ClassVar[str | Absent]
+    # the most positions the model reads: a property, from the config
+    max_positions: int
+    # why pruned models of this family have no Hugging Face export (`models.export`);
+    # None (or a property) where the family defines to_hf(self) -> (config, state dict)
+    hf_export_unsupported: ClassVar[str | None]
+    # with to_hf: the HF config key that gives W_O a bias (with Q, K and V's), under
+    # which a W_O bias that recovery added is exported
+    # (a property where it depends on the model's configuration)
+    hf_attention_bias_key: ClassVar[str | Absent]
+
     def __init__(self, config: FamilyConfig) -> None:
         super().__init__()
         self.config = config
+
+    @classmethod
+    def interface_gaps(cls) -> list[str]:
+        """The pieces of the model interface ``cls`` leaves out, each with what it
+        should be; empty where the class declares them all. Only what a family class
+        itself (or a class between it and this module's) declares counts."""
+        def declared(name: str) -> bool:
+            return any(name in vars(c) or name in inspect.get_annotations(c)
+                       for c in cls.__mro__
+                       if issubclass(c, HeadModel) and c.__module__ != __name__)
+
+        def value(name: str) -> Any:
+            return inspect.getattr_static(cls, name, None) if declared(name) else None
+
+        gaps = []
+        if not cls.family:
+            gaps.append("family: the name saved model directories record")
+        if not hasattr(cls, "config_class"):
+            gaps.append("config_class: the family's FamilyConfig")
+        if not declared("final_norm"):
+            gaps.append("final_norm: the norm after the last block, or Absent(why)")
+        if not isinstance(value("mlp_down"), str | Absent):
+            gaps.append("mlp_down: the MLP down projection's path in a block, or Absent(why)")
+        if not isinstance(value("max_positions"), property | int):
+            gaps.append("max_positions: the most positions the model reads")
+        reason = value("hf_export_unsupported")
+        exports = (declared("hf_export_unsupported") and callable(getattr(cls, "to_hf", None))
+                   and (reason is None or isinstance(reason, property)))
+        if not exports and not (isinstance(reason, str) and reason):
+            gaps.append("hf_export_unsupported: why the family has no HF export, or None "
+                        "with to_hf")
+        if exports and not isinstance(value("hf_attention_bias_key"), str | Absent | property):
+            gaps.append("hf_attention_bias_key: the HF config key that gives W_O a bias, "
+                        "or Absent(why)")
+        return gaps
 
     # ---------------------------------------------------------------- structure
     @property
@@ -222,33 +283,10 @@ class HeadModel(nn.Module):
 
     # ---------------------------------------------------------------- save / load
     def save(self, directory: str | Path) -> Path:
-        """Write config.json (headlab format), model.safetensors and the tokenizer."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "headlab_format": HEADLAB_FORMAT,
-            "family": self.family,
-            "kind": self.kind,
-            "config": self.config.to_dict(),
-            "extra": self.extra_config(),
-            "layout": self.layout(),
-            # which layers' W_O has a bias: recovery may give one to a family without
-            "out_bias": [a.o_proj.bias is not None for a in self.attentions],
-            # demoted key/value heads per layer (headlab.streaming), None where none
-            "streaming": [a.streaming.to_json() if a.streaming is not None else None
-                          for a in self.attentions],
-        }
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        state = _untie(state)
-        with atomic_path(directory / "model.safetensors") as tmp:
-            try:
-                save_file(state, str(tmp), metadata={"format": "pt"})
-            except Exception as exc:  # safetensors wraps a full disk in its own error
-                raise os_error(exc, directory / "model.safetensors") from exc
-        atomic_write_text(directory / "config.json", json.dumps(meta, indent=2))
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(directory))
-        return directory
+        """Write the model, its config and its tokenizer (`headlab.models.format`)."""
+        from headlab.models.format import write
+
+        return write(self, directory)
 
     def extra_config(self) -> dict[str, Any]:
         """Family-specific construction facts beyond the config (e.g. head kind)."""
@@ -272,7 +310,6 @@ class DecoderLM(HeadModel):
 
     causal = True
     lm_head: nn.Linear
-    final_norm: nn.Module  # between the last block and lm_head: a LayerNorm or an RMSNorm
 
     def __init__(self, config: FamilyConfig) -> None:
         super().__init__(config)
@@ -299,20 +336,6 @@ class DecoderLM(HeadModel):
                position_ids: torch.Tensor, past: int, cache: Cache | None) -> torch.Tensor:
         """The final hidden states (B, S, E) of ``input_ids`` after ``past`` cached ones."""
         raise NotImplementedError
-
-
-def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage: store tied tensors as separate copies."""
-    seen: dict[int, str] = {}
-    out = {}
-    for k, v in state.items():
-        ptr = v.untyped_storage().data_ptr() if v.numel() else -1
-        if ptr in seen and ptr != -1:
-            v = v.clone()
-        else:
-            seen[ptr] = k
-        out[k] = v
-    return out
 
 
 # ---------------------------------------------------------------------- conversion

@@ -28,8 +28,16 @@ from torch import nn
 from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
-from headlab.models.base import BlockInputs, FamilyConfig, HeadModel, ModelOutput, WeightMap
+from headlab.models.base import (
+    Absent,
+    BlockInputs,
+    FamilyConfig,
+    HeadModel,
+    ModelOutput,
+    WeightMap,
+)
 from headlab.models.encoder import HEADS, activation, build, check_options, head_map, head_of, pool
+from headlab.models.registry import register
 
 MODEL_TYPES = ("bert",)
 
@@ -145,6 +153,7 @@ class Bert(HeadModel):
 
     family = "bert"
     mlp_down = "mlp.proj"
+    final_norm = Absent("post-norm: each block ends in its own LayerNorm, none follows the last")
     config_class = BertConfig
     # why `--export hf` keeps the headlab format (headlab.models.export): a pruned layer
     # has fewer heads of the same size, which the HF config cannot say
@@ -341,4 +350,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
                  path=path, what="BERT checkpoint")
 
 
-MODEL_CLASS = Bert
+register(Bert, hf_types=MODEL_TYPES, from_hf=from_hf)

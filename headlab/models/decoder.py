@@ -285,9 +285,6 @@ class Decoder(DecoderLM):
     family = "decoder"
     config_class = DecoderConfig
     mlp_down: ClassVar[str] = "mlp.down_proj"
-    # the HF config key that turns on Q, K, V and W_O biases together (None: the family
-    # has no such switch, so a W_O bias that recovery added cannot be exported)
-    hf_attention_bias_key: ClassVar[str | None] = None
 
     def __init__(self, config: DecoderConfig, layout: list[list[int]] | None = None) -> None:
         """``layout``: each layer's kv_index list, for rebuilding a pruned model."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from headlab.models.base import WeightMap
 from headlab.models.bert import Bert, BertConfig
 from headlab.models.encoder import build, head_map, head_of
+from headlab.models.registry import register
 
 MODEL_TYPES = ("distilbert",)
 _ARCHITECTURES = {"DistilBertModel": "none", "DistilBertForMaskedLM": "mlm",
@@ -111,4 +112,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
                  path=path, what="DistilBERT checkpoint")
 
 
-MODEL_CLASS = DistilBert
+register(DistilBert, hf_types=MODEL_TYPES, from_hf=from_hf)

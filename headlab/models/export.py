@@ -14,6 +14,7 @@ from pathlib import Path
 
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
+from headlab.models.format import write_tensors
 
 
 def hf_expressible(model: HeadModel) -> str | None:
@@ -42,16 +43,13 @@ def export_hf(model: HeadModel, directory: str | Path) -> Path:
     Only for shapes the HF config can express (see `hf_expressible`); raises a
     UserError saying why otherwise.
     """
-    from safetensors.torch import save_file
-
     reason = hf_expressible(model)
     if reason is not None:
         raise UserError(f"cannot export to Hugging Face format: {reason}")
     config, state = model.to_hf()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    write_tensors(directory / "model.safetensors", state)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(directory))

@@ -25,6 +25,7 @@ from headlab.models.decoder import (
     read_rope,
     shared_fields,
 )
+from headlab.models.registry import register
 
 MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3")
 
@@ -131,5 +132,5 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return build(cls, cfg, hf_state, prefixes=_PREFIXES)
 
 
-MODEL_CLASS = Gemma2
-MODEL_CLASSES = {"gemma2": Gemma2, "gemma3": Gemma3}
+register(Gemma2, hf_types=("gemma2",), from_hf=from_hf)
+register(Gemma3, hf_types=("gemma3", "gemma3_text"), from_hf=from_hf)

@@ -24,6 +24,7 @@ from headlab.models.base import (
     convert_state_dict,
     load_into,
 )
+from headlab.models.registry import register
 
 MODEL_TYPES = ("gpt2",)
 
@@ -217,4 +218,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return model
 
 
-MODEL_CLASS = GPT2
+register(GPT2, hf_types=MODEL_TYPES, from_hf=from_hf)

@@ -27,6 +27,7 @@ from headlab.models.decoder import (
     read_rope,
     shared_fields,
 )
+from headlab.models.registry import register
 
 MODEL_TYPES = ("llama", "mistral")
 
@@ -142,4 +143,5 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return build(Llama, LlamaConfig.from_hf(hf_config), hf_state, prefixes=("model.", ""))
 
 
-MODEL_CLASS = Llama
+register(Llama, hf_types=MODEL_TYPES, from_hf=from_hf, read_config=LlamaConfig.from_hf,
+         weight_map=weight_map)

@@ -13,55 +13,22 @@ Nothing here ever sets ``trust_remote_code``.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from headlab._io import cache_root
 from headlab.errors import CorruptFileError, ModelNotFoundError, UserError
 from headlab.filecheck import check_safetensors, read_config, read_gguf_header
-from headlab.models.base import HEADLAB_FORMAT, HeadModel, load_into
-from headlab.streaming import Streaming
+from headlab.models import format, registry
+from headlab.models.base import HeadModel, load_into
 
 log = logging.getLogger(__name__)
-
-# HF model_type -> the headlab module that implements it
-FAMILIES: dict[str, str] = {
-    "gpt2": "headlab.models.gpt2",
-    "bert": "headlab.models.bert",
-    "llama": "headlab.models.llama",
-    "mistral": "headlab.models.llama",
-    "qwen2": "headlab.models.qwen",
-    "qwen3": "headlab.models.qwen",
-    "gemma2": "headlab.models.gemma",
-    "gemma3_text": "headlab.models.gemma",
-    "gemma3": "headlab.models.gemma",
-    "phi3": "headlab.models.phi3",
-    "gpt_neox": "headlab.models.neox",
-    "olmo2": "headlab.models.olmo2",
-    "roberta": "headlab.models.roberta",
-    "xlm-roberta": "headlab.models.roberta",
-    "distilbert": "headlab.models.distilbert",
-    "modernbert": "headlab.models.modernbert",
-}
-# headlab family name -> module (for headlab-format directories)
-_FAMILY_MODULES = {
-    "gpt2": "headlab.models.gpt2", "bert": "headlab.models.bert",
-    "llama": "headlab.models.llama", "qwen2": "headlab.models.qwen",
-    "qwen3": "headlab.models.qwen", "gemma2": "headlab.models.gemma",
-    "gemma3": "headlab.models.gemma", "phi3": "headlab.models.phi3",
-    "gpt_neox": "headlab.models.neox", "olmo2": "headlab.models.olmo2",
-    "roberta": "headlab.models.roberta", "distilbert": "headlab.models.distilbert",
-    "modernbert": "headlab.models.modernbert",
-}
-
 
 @dataclass(frozen=True)
 class Bundled:
@@ -164,15 +131,6 @@ def _download(repo_id: str) -> Path:
     return path
 
 
-def _family(model_type: str) -> ModuleType:
-    if model_type not in FAMILIES:
-        raise ModelNotFoundError(
-            f"architecture {model_type!r} is not supported; supported model types: "
-            f"{', '.join(sorted(FAMILIES))}"
-        )
-    return importlib.import_module(FAMILIES[model_type])
-
-
 def _load_dir(path: Path, with_tokenizer: bool) -> HeadModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -180,10 +138,12 @@ def _load_dir(path: Path, with_tokenizer: bool) -> HeadModel:
     config = read_config(cfg_file)
     state = read_weights(path)
     try:
-        if "headlab_format" in config:
-            model = _rebuild(config, state, path)
+        if format.is_headlab(config):
+            model, state = format.build(config, state, path)
+            load_into(model, state, what=f"headlab model at {path}")
         else:
-            model = _family(config.get("model_type", "?")).from_hf(config, state, path=path)
+            model = registry.by_hf_type(config.get("model_type", "?")).from_hf(
+                config, state, path=path)
     except UserError:
         raise
     except KeyError as exc:  # the checkpoint's own config, not headlab, lacks the key
@@ -192,32 +152,6 @@ def _load_dir(path: Path, with_tokenizer: bool) -> HeadModel:
         raise UserError(f"{path}: {str(exc).splitlines()[0]}") from exc
     if with_tokenizer:
         model.tokenizer = _tokenizer(path)
-    return model
-
-
-def _rebuild(meta: dict, state: dict[str, torch.Tensor], path: Path) -> HeadModel:
-    """Rebuild a model saved by ``HeadModel.save`` (pruned or not), validating shapes."""
-    if meta["headlab_format"] != HEADLAB_FORMAT:
-        raise ValueError(
-            f"{path}: headlab format {meta['headlab_format']} is not supported "
-            f"(this headlab reads format {HEADLAB_FORMAT}); upgrade headlab"
-        )
-    family = meta.get("family")
-    if family not in _FAMILY_MODULES:
-        raise ValueError(f"{path}: unknown family {family!r}; known: {sorted(_FAMILY_MODULES)}")
-    module = importlib.import_module(_FAMILY_MODULES[family])
-    # a module holding several families names each one's class in MODEL_CLASSES
-    cls = getattr(module, "MODEL_CLASSES", {}).get(family, module.MODEL_CLASS)
-    meta, state = cls.upgrade(meta, state)  # a directory an older headlab wrote
-    config = cls.config_class.from_dict(meta["config"])
-    model = cls(config, layout=meta["layout"], **meta.get("extra", {}))
-    for attn, has_bias in zip(model.attentions, meta.get("out_bias") or [], strict=False):
-        if has_bias:  # a bias recovery added to a family built without one
-            attn.ensure_out_bias()
-    load_into(model, state, what=f"headlab model at {path}")
-    for attn, streaming in zip(model.attentions, meta.get("streaming") or [], strict=False):
-        if streaming is not None:  # demoted heads keep their sink + window cache
-            attn.streaming = Streaming.from_json(streaming)
     return model
 
 
@@ -285,7 +219,8 @@ def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
     except ValueError as exc:  # an architecture or quantisation transformers cannot read
         raise UserError(f"{path}: {str(exc).splitlines()[0]}") from exc
     state = {k: v.detach() for k, v in hf.state_dict().items()}
-    model = _family(hf.config.model_type).from_hf(hf.config.to_dict(), state, path=None)
+    model = registry.by_hf_type(hf.config.model_type).from_hf(hf.config.to_dict(), state,
+                                                              path=None)
     del hf
     model.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     # saved beside, then renamed: a killed conversion never leaves a half cache

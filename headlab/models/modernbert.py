@@ -31,6 +31,7 @@ from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
 from headlab.models.base import BlockInputs, FamilyConfig, HeadModel, ModelOutput, WeightMap
 from headlab.models.encoder import HEADS, activation, build, check_options, head_of, pool
+from headlab.models.registry import register
 
 MODEL_TYPES = ("modernbert",)
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
@@ -196,6 +197,7 @@ class ModernBert(HeadModel):
     family = "modernbert"
     config_class = ModernBertConfig
     mlp_down = "mlp.wo"
+    final_norm: nn.Module  # the LayerNorm after the last block, set in __init__
     hf_export_unsupported = (
         "HF ModernBERT derives the head size from hidden_size / num_attention_heads, so a "
         "layer with fewer heads has no HF config"
@@ -361,4 +363,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
                  prefixes=("model.", ""), path=path, what="ModernBERT checkpoint")
 
 
-MODEL_CLASS = ModernBert
+register(ModernBert, hf_types=MODEL_TYPES, from_hf=from_hf)

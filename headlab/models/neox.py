@@ -15,6 +15,7 @@ import torch
 
 from headlab.models.base import WeightMap
 from headlab.models.decoder import Decoder, DecoderConfig, build, read_rope, shared_fields
+from headlab.models.registry import register
 
 MODEL_TYPES = ("gpt_neox",)
 
@@ -88,6 +89,7 @@ class GPTNeoX(Decoder):
     family = "gpt_neox"
     weight_map = staticmethod(_weight_map)
     hf_prefix = "gpt_neox."
+    hf_attention_bias_key = "attention_bias"
     _hf_export_unsupported = ("HF GPT-NeoX derives the head size from hidden_size / "
                              "num_attention_heads, so fewer heads do not fit its config")
 
@@ -100,4 +102,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return build(GPTNeoX, cfg, hf_state, prefixes=("gpt_neox.", ""))
 
 
-MODEL_CLASS = GPTNeoX
+register(GPTNeoX, hf_types=MODEL_TYPES, from_hf=from_hf)

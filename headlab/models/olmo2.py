@@ -28,6 +28,7 @@ from headlab.models.decoder import (
     read_rope,
     shared_fields,
 )
+from headlab.models.registry import register
 
 MODEL_TYPES = ("olmo2",)
 
@@ -74,4 +75,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return build(Olmo2, read_config(hf_config), hf_state, prefixes=("model.", ""))
 
 
-MODEL_CLASS = Olmo2
+register(Olmo2, hf_types=MODEL_TYPES, from_hf=from_hf)

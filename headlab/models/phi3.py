@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from headlab.models.base import WeightMap
+from headlab.models.base import Absent, WeightMap
 from headlab.models.decoder import Decoder, DecoderConfig, build, read_rope, shared_fields
+from headlab.models.registry import register
 
 MODEL_TYPES = ("phi3",)
 
@@ -71,10 +72,11 @@ class Phi3(Decoder):
 
     family = "phi3"
     weight_map = staticmethod(_weight_map)
+    hf_attention_bias_key = Absent("HF Phi-3's attention has no biases, nor a key to add them")
 
 
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) -> Phi3:
     return build(Phi3, read_config(hf_config), hf_state, prefixes=("model.", ""))
 
 
-MODEL_CLASS = Phi3
+register(Phi3, hf_types=MODEL_TYPES, from_hf=from_hf)

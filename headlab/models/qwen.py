@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from headlab.models.base import WeightMap
+from headlab.models.base import Absent, WeightMap
 from headlab.models.decoder import (
     PROJECTIONS,
     QK_NORM,
@@ -23,6 +23,7 @@ from headlab.models.decoder import (
     shared_fields,
     sliding_layers,
 )
+from headlab.models.registry import register
 
 MODEL_TYPES = ("qwen2", "qwen3")
 
@@ -72,6 +73,8 @@ class Qwen2(Decoder):
 
     family = "qwen2"
     weight_map = staticmethod(_weight_map)
+    hf_attention_bias_key = Absent("HF Qwen2 has biases on Q, K and V, none on W_O, and no "
+                                   "key to give it one")
 
 
 class Qwen3(Qwen2):
@@ -87,5 +90,5 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
     return build(cls, cfg, hf_state, prefixes=("model.", ""))
 
 
-MODEL_CLASS = Qwen2
-MODEL_CLASSES = {"qwen2": Qwen2, "qwen3": Qwen3}
+register(Qwen2, hf_types=("qwen2",), from_hf=from_hf)
+register(Qwen3, hf_types=("qwen3",), from_hf=from_hf)

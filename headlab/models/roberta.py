@@ -22,6 +22,7 @@ import torch
 
 from headlab.models.bert import _BACKBONE, Bert, BertConfig
 from headlab.models.encoder import build, head_map, head_of
+from headlab.models.registry import register
 
 MODEL_TYPES = ("roberta", "xlm-roberta")
 # HF architecture -> headlab head
@@ -115,4 +116,4 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor], *, path=None) ->
                  path=path, what="RoBERTa checkpoint")
 
 
-MODEL_CLASS = Roberta
+register(Roberta, hf_types=MODEL_TYPES, from_hf=from_hf)
