@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headlab.attention import MultiHeadAttention
@@ -40,6 +39,7 @@ from headlab.models.base import (
 from headlab.models.encoder import ACTIVATIONS as _ACTIVATIONS
 from headlab.models.encoder import (
     HEADS,
+    TiedDecoder,
     check_options,
     pool,
     sentence_transformers_pooling,
@@ -144,18 +144,18 @@ class BertBlock(nn.Module):
 class BertMLMHead(nn.Module):
     """transform (dense, activation, LayerNorm), then the tied word embeddings + bias."""
 
-    def __init__(self, cfg: BertConfig, act: str | None = None) -> None:
+    def __init__(self, cfg: BertConfig, word_embeddings: nn.Embedding,
+                 act: str | None = None) -> None:
         """``act``: the transform's activation (default: the config's hidden_act)."""
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.act = _ACTIVATIONS[act or cfg.hidden_act]
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.decoder = TiedDecoder(word_embeddings)
 
-    def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        h = self.ln(self.act(self.dense(h)))
-        # the decoder is the embedding matrix itself: no second copy is stored or saved
-        return F.linear(h, word_embeddings, self.bias)  # (B, S, V)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.ln(self.act(self.dense(h))), self.bias)  # (B, S, V)
 
 
 class Bert(HeadModel):
@@ -200,7 +200,7 @@ class Bert(HeadModel):
         self.ln_emb = nn.LayerNorm(E, eps=config.layer_norm_eps)
         self.blocks = nn.ModuleList(BertBlock(config, kv) for kv in layout)
         if head == "mlm":
-            self.mlm = BertMLMHead(config, self.mlm_activation)
+            self.mlm = BertMLMHead(config, self.wte, self.mlm_activation)
         elif head == "classifier":
             self.pooler = nn.Linear(E, E)
             self.classifier = nn.Linear(E, config.num_labels)
@@ -233,7 +233,7 @@ class Bert(HeadModel):
             x = block(x, mask)
 
         if self.head == "mlm":
-            return ModelOutput(last_hidden_state=x, logits=self.mlm(x, self.wte.weight))
+            return ModelOutput(last_hidden_state=x, logits=self.mlm(x))
         if self.head == "classifier":
             pooled = self.pooler_activation(self.pooler(x[:, 0]))  # (B, E)
             return ModelOutput(last_hidden_state=x, logits=self.classifier(pooled))
