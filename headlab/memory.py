@@ -62,7 +62,10 @@ class Estimate:
 def units(model: HeadModel) -> list[nn.Module]:
     """The modules FSDP shards on their own (`headlab.sharding`): every block, and every
     other child of the model whose parameters no other child shares (an untied
-    embedding or head); tied ones stay with the root."""
+    embedding or head); tied ones stay with the root. A unit's weights are whole only
+    during its own forward, so a module that reads another's weight must hold it as
+    its own Parameter, the tie this sees (GPT-2's ``lm_head.weight = wte.weight``, an
+    encoder's `headlab.models.encoder.TiedDecoder`)."""
     owners: dict[int, int] = {}
     for child in model.children():
         for p in child.parameters():

@@ -331,6 +331,30 @@ def test_one_rank_fsdp_saves_a_tied_gpt2(one_rank_group, tiny_gpt2_dir, tmp_path
         torch.testing.assert_close(saved.state_dict()[k], v, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("source", ["hf", "headlab"])
+def test_one_rank_fsdp_runs_a_masked_lm_whose_decoder_is_the_embedding(
+        one_rank_group, bpe_tokenizer, tmp_path, source):
+    """BERT's MLM decoder reads the word embedding matrix: the embedding stays with the
+    root unit (a unit of its own would be resharded before the head reads it), and the
+    sharded model, read whole from the HF checkpoint or in rows from a headlab
+    directory, gives the unsharded logits."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=len(bpe_tokenizer), hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, max_position_embeddings=32))
+    hf.save_pretrained(tmp_path / "hf")
+    bpe_tokenizer.save_pretrained(tmp_path / "hf")
+    one = headlab.load(tmp_path / "hf")
+    assert not any(u is one.wte for u in memory.units(one))
+    directory = tmp_path / "hf" if source == "hf" else one.save(tmp_path / "saved")
+    model, _ = sharding.load_sharded(directory)
+    ids = torch.randint(0, len(bpe_tokenizer), (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, one(ids).logits, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------- repair, detect
 def _halves(model):
     """Five scoring blocks and five held-out ones, 32 tokens each."""

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headlab.attention import MultiHeadAttention
@@ -36,7 +35,16 @@ from headlab.models.base import (
     ModelOutput,
     WeightMap,
 )
-from headlab.models.encoder import HEADS, activation, build, check_options, head_map, head_of, pool
+from headlab.models.encoder import (
+    HEADS,
+    TiedDecoder,
+    activation,
+    build,
+    check_options,
+    head_map,
+    head_of,
+    pool,
+)
 from headlab.models.registry import register
 
 MODEL_TYPES = ("bert",)
@@ -134,18 +142,18 @@ class BertBlock(nn.Module):
 class BertMLMHead(nn.Module):
     """transform (dense, activation, LayerNorm), then the tied word embeddings + bias."""
 
-    def __init__(self, cfg: BertConfig, act: str | None = None) -> None:
+    def __init__(self, cfg: BertConfig, word_embeddings: nn.Embedding,
+                 act: str | None = None) -> None:
         """``act``: the transform's activation (default: the config's hidden_act)."""
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.act = activation(act or cfg.hidden_act, family="BERT")
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.decoder = TiedDecoder(word_embeddings)
 
-    def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        h = self.ln(self.act(self.dense(h)))
-        # the decoder is the embedding matrix itself: no second copy is stored or saved
-        return F.linear(h, word_embeddings, self.bias)  # (B, S, V)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.ln(self.act(self.dense(h))), self.bias)  # (B, S, V)
 
 
 class Bert(HeadModel):
@@ -191,7 +199,7 @@ class Bert(HeadModel):
         self.ln_emb = nn.LayerNorm(E, eps=config.layer_norm_eps)
         self.blocks = nn.ModuleList(BertBlock(config, kv) for kv in layout)
         if head == "mlm":
-            self.mlm = BertMLMHead(config, self.mlm_activation)
+            self.mlm = BertMLMHead(config, self.wte, self.mlm_activation)
         elif head == "classifier":
             self.pooler = nn.Linear(E, E)
             self.classifier = nn.Linear(E, config.num_labels)
@@ -224,7 +232,7 @@ class Bert(HeadModel):
             x = block(x, mask)
 
         if self.head == "mlm":
-            return ModelOutput(last_hidden_state=x, logits=self.mlm(x, self.wte.weight))
+            return ModelOutput(last_hidden_state=x, logits=self.mlm(x))
         if self.head == "classifier":
             pooled = self.pooler_activation(self.pooler(x[:, 0]))  # (B, E)
             return ModelOutput(last_hidden_state=x, logits=self.classifier(pooled))

@@ -1,9 +1,10 @@
 """What the bidirectional encoder families share (BERT, RoBERTa, DistilBERT, ModernBERT).
 
 Their options (head, pooling), the head a checkpoint carries and the building of the
-model from it, the pooling of hidden states into sentence embeddings as
-sentence-transformers does it, and the reading of a sentence-transformers pipeline
-(``modules.json``) that says which pooling a checkpoint directory uses.
+model from it, the masked LM's decoder tied to the word embeddings, the pooling of
+hidden states into sentence embeddings as sentence-transformers does it, and the
+reading of a sentence-transformers pipeline (``modules.json``) that says which pooling
+a checkpoint directory uses.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from headlab.models.base import WeightMap, convert_state_dict, load_into
 from headlab.models.layers import ACTIVATIONS
@@ -34,6 +36,31 @@ def check_options(family: str, *, head: str, pooling: str, layout: list | None,
     if len(layout) != n_layers:
         raise ValueError(f"layout has {len(layout)} layers, config has {n_layers}")
     return layout
+
+
+class TiedDecoder(nn.Module):
+    """The masked LM's decoder: logits (B, S, V) = h (B, S, E) @ W.T + bias, where W
+    (V, E) is the word embedding matrix itself.
+
+    W is the embedding's own Parameter registered here too, as GPT-2's ``lm_head``
+    holds ``wte.weight``: a tie is one Parameter held by two modules, which is how
+    `headlab.memory.units` sees it and keeps both in the root FSDP unit (a unit of its
+    own, the embedding would be resharded before the decoder reads it). The state
+    dict holds W once, under the embedding's name: this module saves and loads nothing.
+    """
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(h, self.weight, bias)  # (B, S, V)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """Nothing: the embedding saves W."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        """Nothing: the embedding loads W."""
 
 
 def activation(name: str, *, family: str):

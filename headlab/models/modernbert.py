@@ -23,14 +23,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headlab.attention import MultiHeadAttention
 from headlab.hookpoint import HookPoint, run_hook
 from headlab.masks import Mask
 from headlab.models.base import BlockInputs, FamilyConfig, HeadModel, ModelOutput, WeightMap
-from headlab.models.encoder import HEADS, activation, build, check_options, head_of, pool
+from headlab.models.encoder import (
+    HEADS,
+    TiedDecoder,
+    activation,
+    build,
+    check_options,
+    head_of,
+    pool,
+)
 from headlab.models.registry import register
 
 MODEL_TYPES = ("modernbert",)
@@ -230,6 +237,7 @@ class ModernBert(HeadModel):
         if head in ("mlm", "classifier"):
             self.prediction_head = ModernBertHead(config)
         if head == "mlm":
+            self.decoder = TiedDecoder(self.wte)
             self.decoder_bias = (nn.Parameter(torch.zeros(config.vocab_size))
                                  if config.decoder_bias else None)
         elif head == "classifier":
@@ -255,10 +263,8 @@ class ModernBert(HeadModel):
             x = block(x, masks, rotary)
         x = self.final_norm(x)  # (B, S, E)
         if self.head == "mlm":
-            # the decoder is the embedding matrix itself: no second copy is kept or saved
-            h = self.prediction_head(x)
-            return ModelOutput(last_hidden_state=x,
-                               logits=F.linear(h, self.wte.weight, self.decoder_bias))  # (B, S, V)
+            logits = self.decoder(self.prediction_head(x), self.decoder_bias)  # (B, S, V)
+            return ModelOutput(last_hidden_state=x, logits=logits)
         if self.head == "classifier":
             if self.config.classifier_pooling == "cls":
                 pooled = x[:, 0]
