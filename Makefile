@@ -1,4 +1,5 @@
-# headlab: `make demo` sets up and prunes the bundled SmolLM2; `make test` runs the suite.
+# headlab: `make demo` sets up and prunes the bundled SmolLM2; `make test` runs the suite
+# (and builds the documentation, `make docs`).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # the cores (measured: 1.2 s vs 0.2 s per GPT-2 forward); passive waiting costs little.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup browser demo test lint bench clean
+.PHONY: setup browser demo test lint docs bench clean
 
 setup: $(STAMP)
 
@@ -35,13 +36,19 @@ demo: setup
 
 # ruff, and import-linter's layering contracts (pyproject.toml [tool.importlinter])
 lint: setup
-	$(BIN)/ruff check headlab tests
+	$(BIN)/ruff check headlab tests scripts
 	$(BIN)/lint-imports
 
+# the documentation site (mkdocs.yml, docs/) into site/; --strict turns every warning
+# (a broken link, an API name mkdocstrings cannot find) into a failure
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 # the fast suite (plain pytest, under 10 minutes on 2 cores; real-model quality bars
-# included), then the slow end-to-end tests: resume after SIGKILL, recipes, notebook,
-# torchrun
-test: setup browser lint
+# included, and every Python and shell block of README.md and docs/: tests/test_docs.py),
+# then the slow end-to-end tests: resume after SIGKILL, recipes, notebook, torchrun, the
+# documentation's longer blocks
+test: setup browser lint docs
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow
 
@@ -51,4 +58,4 @@ bench: setup
 	env -u OMP_WAIT_POLICY $(BIN)/headlab bench all --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache reports/demo-smollm2
+	rm -rf $(VENV) .pytest_cache .ruff_cache reports/demo-smollm2 site

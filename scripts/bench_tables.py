@@ -1,0 +1,110 @@
+"""Write docs/benchmarks.md's tables from reports/bench/*.json, between the markers
+``<!-- bench:start -->`` and ``<!-- bench:end -->``: one table per benchmark, under a
+line that says where and when the JSON was measured. Nothing in them is typed by hand.
+
+    python scripts/bench_tables.py            # rewrite docs/benchmarks.md's tables
+    python scripts/bench_tables.py --check    # exit 1 if the tables are stale
+
+tests/test_docs.py fails while the page and the committed JSONs disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _setting(d: dict) -> str:
+    """Where and when: the machine, threads, device, preset, versions and load."""
+    m, v = d.get("machine", {}), d.get("versions", {})
+    load = m.get("load_average") or []
+    after = m.get("load_average_after") or []
+    parts = [
+        f"{d.get('date', 'undated')}",
+        f"{m.get('cpu', 'unknown CPU')}, {m.get('cores_available', m.get('cores'))} cores, "
+        f"{m.get('torch_threads')} torch threads"
+        + (f", OMP_WAIT_POLICY={m['omp_wait_policy']}" if m.get("omp_wait_policy") else ""),
+        f"device {d.get('device', m.get('device'))}" + (f" ({m['gpu']})" if m.get("gpu") else ""),
+        f"`{d.get('preset')}` preset, {d.get('elapsed_s')} s",
+        f"headlab {v.get('headlab')}, torch {v.get('torch')}, "
+        f"transformers {v.get('transformers')}, Python {v.get('python')}",
+    ]
+    if load:
+        parts.append(f"1-minute load average {load[0]} before"
+                     + (f", {after[0]} after" if after else ""))
+    return "; ".join(parts)
+
+
+def table(d: dict) -> str:
+    """One benchmark's targets and headline ratios, as `headlab bench` prints them."""
+    name = d["benchmark"]
+    rows = [f"### {name}", "", _setting(d), "",
+            "| measure | median | q1–q3 | target | meets |", "|---|---|---|---|---|"]
+    if d.get("error"):
+        rows.append(f"| NOT MEASURED: {_cell(d['error'])} | | | | **error** |")
+    for t in d.get("targets", []):
+        rows.append(f"| {_cell(t['what'])} | {_num(t['ratio'])} | "
+                    f"{_num(t['q1'])}–{_num(t['q3'])} | {t['op']} {t['target']:g} | "
+                    f"{'yes' if t['meets'] else '**no**'} |")
+    for i in d.get("info", []):
+        f = d["figures"][i["figure"]]
+        rows.append(f"| {_cell(i['what'])} | {_num(f['median'])} | "
+                    f"{_num(f['q1'])}–{_num(f['q3'])} | — | — |")
+    return "\n".join(rows)
+
+
+def render(paths: list[Path]) -> str:
+    """The block between the markers (markers included) for these JSON files."""
+    docs = [json.loads(Path(p).read_text()) for p in sorted(paths, key=lambda p: Path(p).name)]
+    body = "\n\n".join(table(d) for d in docs) if docs else "No benchmark JSON committed."
+    return f"{MARKERS[0]}\n{body}\n{MARKERS[1]}"
+
+
+def current_block(text: str) -> str:
+    """The tables between the page's markers, markers included."""
+    start, end = (text.index(m) for m in MARKERS)
+    return text[start:end + len(MARKERS[1])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("page", nargs="?", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("jsons", nargs="*", help="default: reports/bench/*.json")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if the tables are stale")
+    args = parser.parse_intermixed_args(argv)
+    page = Path(args.page)
+    jsons = [Path(p) for p in args.jsons] or sorted((ROOT / "reports" / "bench").glob("*.json"))
+    text = page.read_text()
+    try:
+        old = current_block(text)
+    except ValueError:
+        print(f"{page} lacks the markers {MARKERS[0]} and {MARKERS[1]}: add them where the "
+              "tables belong", file=sys.stderr)
+        return 2
+    new = render(jsons)
+    if args.check:
+        if old != new:
+            print(f"{page}: the benchmark tables are stale; run python scripts/bench_tables.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    page.write_text(text.replace(old, new))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

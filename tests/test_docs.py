@@ -1,0 +1,228 @@
+"""Every Python and shell block of README.md and docs/*.md runs here, as a reader would
+paste it.
+
+A block runs alone: Python blocks in a fresh namespace, shell blocks line by line (a
+line ending in ``\\`` continues on the next) with this checkout's ``headlab`` and
+``python`` first on PATH; both in an empty temporary directory unless told otherwise.
+A line whose comment starts with ``exit N`` must exit with N (``# exit 2: ...``), every
+other line with 0. An HTML comment on the line just before a block's fence says how
+it runs, directives separated by ``;``:
+
+    <!-- skip: REASON -->   not run; pytest -ra prints REASON (the whole rest)
+    <!-- slow -->           more than about 20 s on two cores: under the ``slow`` marker
+    <!-- cwd: repo -->      run in the repository root, not in a temporary directory
+
+The benchmark tables of docs/benchmarks.md are checked against what
+scripts/bench_tables.py writes from the committed reports/bench/*.json.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELLS = ("bash", "sh", "shell")
+_FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)")
+_DIRECTIVE = re.compile(r"^<!--(.*)-->\s*$")
+_EXIT = re.compile(r"#\s*exit (\d+)\b")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # of the opening fence, 1-based
+    lang: str
+    code: str
+    skip: str | None = None
+    slow: bool = False
+    in_repo: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks_of(page: Path) -> list[Block]:
+    """The fenced blocks of a Markdown page with the directives just before each."""
+    lines = page.read_text().splitlines()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i].strip())
+        if not m:
+            i += 1
+            continue
+        fence, lang, start = m.group(1), m.group(2).lower(), i
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            j += 1
+        code = "\n".join(lines[start + 1:j])
+        skip, slow, in_repo = None, False, False
+        before = start - 1
+        while before >= 0 and not lines[before].strip():
+            before -= 1
+        d = _DIRECTIVE.match(lines[before].strip()) if before >= 0 else None
+        text = d.group(1).strip() if d else ""
+        if text.startswith("skip:"):  # the reason is the rest, semicolons included
+            skip = text[len("skip:"):].strip()
+        elif d:
+            for part in (p.strip() for p in text.split(";")):
+                if part == "slow":
+                    slow = True
+                elif part == "cwd: repo":
+                    in_repo = True
+                elif part.startswith(("capabilities:", "bench:")):
+                    pass  # the generated tables' markers
+                else:
+                    raise ValueError(f"{page}:{before + 1}: unknown directive {part!r}")
+        out.append(Block(page, start + 1, lang, code, skip, slow, in_repo))
+        i = j + 1
+    return out
+
+
+def _params() -> list:
+    params = []
+    for page in PAGES:
+        for b in blocks_of(page):
+            if b.lang != "python" and b.lang not in SHELLS:
+                continue
+            marks = [pytest.mark.slow] if b.slow else []
+            params.append(pytest.param(b, id=b.id, marks=marks))
+    return params
+
+
+def shell_lines(code: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, comments dropped."""
+    commands, current = [], ""
+    for raw in code.splitlines():
+        line = raw.rstrip()
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1].strip() + " "
+            continue
+        commands.append(current + (line.strip() if current else line))
+        current = ""
+    assert not current, f"a shell block ends inside a continued line: {current!r}"
+    return commands
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+@pytest.mark.parametrize("block", _params())
+def test_block_runs(block: Block, tmp_path, monkeypatch):
+    if block.skip:
+        pytest.skip(block.skip)
+    cwd = ROOT if block.in_repo else tmp_path
+    if block.lang == "python":
+        monkeypatch.chdir(cwd)
+        code = compile(block.code, block.id, "exec")
+        exec(code, {"__name__": "__docs__"})
+        return
+    for command in shell_lines(block.code):
+        m = _EXIT.search(command)
+        expected = int(m.group(1)) if m else 0
+        done = subprocess.run(["bash", "-c", command], cwd=cwd, env=_env(), text=True,
+                              capture_output=True, timeout=1800)
+        assert done.returncode == expected, (
+            f"{block.id}: `{command}` exited {done.returncode}, expected {expected}\n"
+            f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}")
+
+
+def test_every_page_has_a_runnable_or_explained_block():
+    """The collector sees the blocks: each page with code holds python or shell ones."""
+    langs = {b.lang for page in PAGES for b in blocks_of(page)}
+    assert "python" in langs and "bash" in langs
+
+
+def test_shell_lines_join_continuations_and_drop_comments():
+    code = "# a comment\nheadlab a \\\n  --b 1\n\nheadlab c  # exit 2: why\n"
+    assert shell_lines(code) == ["headlab a --b 1", "headlab c  # exit 2: why"]
+    assert _EXIT.search(shell_lines(code)[1]).group(1) == "2"
+
+
+def test_directives_are_read(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("text\n<!-- skip: needs the hub -->\n```bash\nheadlab x\n```\n\n"
+                    "<!-- slow; cwd: repo -->\n\n```python\nprint(1)\n```\n```text\nout\n```\n")
+    a, b, c = blocks_of(page)
+    assert (a.lang, a.skip, a.slow, a.line) == ("bash", "needs the hub", False, 3)
+    assert (b.lang, b.skip, b.slow, b.in_repo, b.code) == ("python", None, True, True,
+                                                           "print(1)")
+    assert (c.lang, c.skip) == ("text", None)
+    page.write_text("<!-- slwo -->\n```bash\nx\n```\n")
+    with pytest.raises(ValueError, match="unknown directive"):
+        blocks_of(page)
+
+
+def test_mkdocs_nav_lists_every_page():
+    """A page missing from mkdocs.yml's nav would build but never be linked."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+
+    def files(entries):
+        for e in entries:
+            v = next(iter(e.values())) if isinstance(e, dict) else e
+            yield from (files(v) if isinstance(v, list) else [v])
+
+    assert sorted(files(nav)) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+
+
+def _bench_tables():
+    spec = importlib.util.spec_from_file_location("bench_tables",
+                                                  ROOT / "scripts" / "bench_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_tables_are_the_committed_jsons():
+    """docs/benchmarks.md's tables are what the script writes from reports/bench/*.json;
+    after a bench run, ``python scripts/bench_tables.py`` rewrites them."""
+    script = _bench_tables()
+    jsons = sorted((ROOT / "reports" / "bench").glob("*.json"))
+    assert jsons, "no reports/bench/*.json committed"
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert script.current_block(page) == script.render(jsons), (
+        "docs/benchmarks.md's tables are stale: run python scripts/bench_tables.py")
+
+
+def test_bench_tables_script_rewrites_and_checks(tmp_path):
+    script = _bench_tables()
+    page = tmp_path / "benchmarks.md"
+    start, end = script.MARKERS
+    page.write_text(f"before\n{start}\nold\n{end}\nafter\n")
+    jsons = sorted((ROOT / "reports" / "bench").glob("*.json"))
+    assert script.main([str(page), *map(str, jsons)]) == 0
+    text = page.read_text()
+    assert text.startswith("before\n") and text.endswith("\nafter\n")
+    assert script.current_block(text) == script.render(jsons)
+    assert script.main([str(page), "--check", *map(str, jsons)]) == 0
+    page.write_text(text.replace("| yes |", "| no |", 1).replace("| **no** |", "| x |", 1))
+    assert script.main([str(page), "--check", *map(str, jsons)]) == 1
+
+
+def test_shell_quoting_in_blocks_is_bash():
+    """Each shell command is handed to bash whole; one that shlex cannot split is a typo."""
+    for page in PAGES:
+        for b in blocks_of(page):
+            if b.lang in SHELLS and not b.skip:
+                for command in shell_lines(b.code):
+                    shlex.split(command, comments=True)
