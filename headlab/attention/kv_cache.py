@@ -1,6 +1,7 @@
 """Keys and values an attention layer reads: `KeySet` (some query heads, the keys and
-values they read, and the mask over them) and `KVCache` (the keys and values of past
-positions, for decoding).
+values they read, and the mask over them), `KVCache` (one layer's keys and values of
+past positions, for decoding) and `Cache` (a model's, one per layer; `HeadModel.new_cache`
+puts a `headlab.attention.streaming.StreamingCache` where a layer has demoted heads).
 
 Shapes as in `headlab.attention`: B batch, S queries, H query heads, H_kv key/value
 heads, T positions, D head dim; a suffix x marks a subset of heads (H_x) or keys (T_x).
@@ -87,7 +88,7 @@ def _grow(buf: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
 
 
 class Cache:
-    """Per-layer key/value caches for incremental decoding."""
+    """A model's key/value caches for incremental decoding, one per layer."""
 
     def __init__(self, n_layers: int) -> None:
         self.layers = [KVCache() for _ in range(n_layers)]

@@ -121,7 +121,7 @@ class MultiHeadAttention(nn.Module):
         self._gate_state: tuple[torch.Tensor | None, int, bool] = (None, -1, True)
         # demoted key/value heads with a sink + window cache (headlab.attention.streaming), or None
         self.streaming: Streaming | None = None
-        self._refresh_layout()
+        self.refresh_layout()
 
         # Hook points, in the order the forward reaches them.
         self.q = HookPoint()  # (B, S, H, D) after rotary
@@ -141,8 +141,9 @@ class MultiHeadAttention(nn.Module):
     def n_kv_heads(self) -> int:
         return self.kv_head_ids.numel()
 
-    def _refresh_layout(self) -> None:
-        """Recompute whether K/V heads form equal contiguous groups (SDPA's enable_gqa)."""
+    def refresh_layout(self) -> None:
+        """Recompute whether K/V heads form equal contiguous groups (SDPA's enable_gqa); call
+        it after ``kv_index`` changes other than by `prune_heads` (a state dict loaded)."""
         self._kv_regular = equal_groups(self.kv_index.tolist(), self.n_kv_heads)
 
     def _gate(self) -> torch.Tensor | None:
@@ -408,7 +409,7 @@ class MultiHeadAttention(nn.Module):
         ]
         self.head_gate = self.head_gate[keep_t]
         self._gate_state = (None, -1, True)
-        self._refresh_layout()
+        self.refresh_layout()
 
     # ------------------------------------------------------------------ interop
     @classmethod

@@ -150,4 +150,4 @@ def load_into(model: nn.Module, state: Mapping[str, torch.Tensor], *, what: str)
         )
     model.load_state_dict(state, strict=False)
     for attn in getattr(model, "attentions", []):
-        attn._refresh_layout()
+        attn.refresh_layout()

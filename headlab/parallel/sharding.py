@@ -263,7 +263,7 @@ def _read_rows(model: HeadModel, path: Path, names: dict[str, str],
         for name, b in model.named_buffers():
             b.copy_(open_slice(names[name])[:] if name in stored else buffers[name])
     for attn in model.attentions:
-        attn._refresh_layout()
+        attn.refresh_layout()
     return Reads(tensors, elements, sliced=True)
 
 
@@ -297,7 +297,7 @@ def save_sharded(model: HeadModel, directory: str | Path,
             plain.attn.ensure_out_bias()
         plain.to_empty(device="cpu")
         plain.load_state_dict(state)
-        plain.attn._refresh_layout()
+        plain.attn.refresh_layout()
         plain.attn.streaming = block.attn.streaming
         if plan is not None:
             plain.attn.prune_heads(plan.pruned.get(i, []))
