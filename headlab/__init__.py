@@ -14,14 +14,15 @@
 
 __version__ = "0.1.0"
 
-from headlab.data import Blocks, load_texts, split_blocks  # noqa: E402
+from headlab.analysis.patching import patch  # noqa: E402
+from headlab.attention.hooks import Capture, capture, hooks  # noqa: E402
+from headlab.data.blocks import Blocks, split_blocks  # noqa: E402
+from headlab.data.texts import load_texts
 from headlab.detectors import detect  # noqa: E402
-from headlab.evaluate import Quality, evaluate  # noqa: E402
-from headlab.hooks import Capture, capture, hooks  # noqa: E402
+from headlab.evaluate.quality import Quality, evaluate  # noqa: E402
 from headlab.importance import HeadScores, score  # noqa: E402
 from headlab.models import HeadModel, load  # noqa: E402
 from headlab.objectives import make_blocks, prepare  # noqa: E402
-from headlab.patching import patch  # noqa: E402
 from headlab.pruning import prune  # noqa: E402
 from headlab.recovery import RecoveryReport, recover  # noqa: E402
 from headlab.results import RunResult  # noqa: E402

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from headlab.analysis.roles import TokenRoles
-from headlab.data import load_texts
+from headlab.attention.hooks import hooks, layer_of
+from headlab.data.texts import load_texts
 from headlab.errors import UserError
-from headlab.hooks import _layer_of, hooks
 from headlab.importance import HeadScores
 from headlab.models.base import HeadModel
 from headlab.objectives import objective_for
@@ -104,7 +104,7 @@ def detect(model: HeadModel, kind: str, *, n: int = 16, seq_len: int = 128,
 
             def reduce(pattern: torch.Tensor, name: str, _target=target, _probe=probe,
                        _rows=per_row):
-                _rows[_layer_of(name)] = _row_values(pattern, _target, _probe.argmax)
+                _rows[layer_of(name)] = _row_values(pattern, _target, _probe.argmax)
                 return None
 
             with hooks(model, {"pattern": reduce}):

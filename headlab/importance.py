@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from headlab import distributed
-from headlab._io import atomic_write_json, atomic_write_text
-from headlab._progress import track
-from headlab.checkpoint import Checkpoint
-from headlab.data import Blocks
+from headlab._util.checkpoint import Checkpoint
+from headlab._util.io import atomic_write_json, atomic_write_text
+from headlab._util.progress import track
+from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
+from headlab.parallel import distributed
 
 METHODS = ("michel", "fisher", "taylor", "ablation", "entropy", "confidence", "random")
 # Methods whose scores are estimates of the loss increase, in the loss's own units, so
@@ -326,7 +326,7 @@ def _ablation_scores(model, blocks, batch_size):
 @torch.no_grad()
 def _pattern_scores(model, blocks, batch_size, method):
     from headlab.analysis import HeadStatsAccumulator, TokenRoles
-    from headlab.hooks import capture
+    from headlab.attention.hooks import capture
 
     acc = HeadStatsAccumulator(model.n_layers)
     for batch in track(blocks.batches(batch_size), total=blocks.n_batches(batch_size),

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from headlab.data import Blocks, TextData, check_blocks, layout_blocks
+from headlab.data.blocks import Blocks, check_blocks, layout_blocks
+from headlab.data.texts import TextData
 from headlab.errors import DataError, UserError
 
 if TYPE_CHECKING:  # the models import generation, which asks objectives
@@ -47,9 +48,9 @@ class Objective:
     ``default_seq_len`` is the block length a run uses unless told; `seq_len_for`
     caps it by the model's positions. ``needs_reference``: the metric compares with
     the unpruned model, so evaluating a pruned one needs the original to prepare the
-    blocks. ``generates``: the model continues text (`headlab.generation`).
+    blocks. ``generates``: the model continues text (`headlab.models.generation`).
     ``reads_windows``: the papers' calibration and evaluation windows, plain slices of
-    one token stream (`headlab.protocol`), are text as this kind reads it.
+    one token stream (`headlab.data.protocol`), are text as this kind reads it.
     """
 
     kind: str
@@ -126,7 +127,7 @@ class Objective:
 
     def logit_position(self, input_ids: torch.Tensor, tokenizer) -> int:
         """The position of ``input_ids`` (1, S) whose token logits direct logit
-        attribution reads by default (`headlab.attribution`)."""
+        attribution reads by default (`headlab.analysis.attribution`)."""
         raise UserError(f"direct logit attribution reads logits over a vocabulary; a "
                         f"{self.kind} model has none: attribute a causal or masked LM")
 

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import torch
 
+from headlab.attention.streaming import Streaming
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.selection import PrunePlan, kv_groups
-from headlab.streaming import Streaming
 
 
 def prune(model: HeadModel, plan: PrunePlan, *, inplace: bool = True) -> HeadModel:

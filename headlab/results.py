@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
 from headlab.analysis import HeadClusters
-from headlab.cache_report import KVCacheReport
 from headlab.errors import UserError
-from headlab.needle import NeedleResult
+from headlab.evaluate.cache import KVCacheReport
+from headlab.evaluate.needle import NeedleResult
 from headlab.recovery import RecoveryReport
 from headlab.schedule import CurvePoint
 
@@ -71,7 +71,7 @@ class DataSummary:
     seq_len: int | None = None
     warning: str | None = None
     # the evaluation source when named apart (--eval-data), the protocol that measures
-    # (split | windows, headlab.protocol) and how the two sets are kept apart
+    # (split | windows, headlab.data.protocol) and how the two sets are kept apart
     eval_spec: str | None = None
     eval_protocol: str | None = None
     eval_seq_len: int | None = None
@@ -134,7 +134,7 @@ class RunResult:
     status: str | None = None
     schema_version: int = SCHEMA_VERSION
     # lm-eval tasks: name -> metrics exactly as lm-eval's results reports them, before
-    # and after; the needle test's accuracy grid before and after (headlab.needle)
+    # and after; the needle test's accuracy grid before and after (headlab.evaluate.needle)
     tasks: dict[str, BeforeAfter[dict[str, Any]]] = field(default_factory=dict)
     needle: BeforeAfter[NeedleResult] | None = None
 

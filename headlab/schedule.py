@@ -12,14 +12,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from headlab import distributed
-from headlab.checkpoint import Checkpoint
-from headlab.data import Blocks
+from headlab._util.checkpoint import Checkpoint
+from headlab.data.blocks import Blocks
 from headlab.errors import UserError
-from headlab.evaluate import evaluate
+from headlab.evaluate.quality import evaluate
 from headlab.importance import HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE
+from headlab.parallel import distributed
 from headlab.pruning import copy_model, prune, trial
 from headlab.recovery import TRAINING_FREE
 from headlab.recovery import recover as recover_model

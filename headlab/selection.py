@@ -8,7 +8,7 @@ goes with its last query head (see `MultiHeadAttention.prune_heads`).
 `select_groups` ranks whole GQA groups instead (one key/value head and its query heads,
 `kv_groups`), so that every removal shrinks the key/value cache: a group scores the sum
 of its query heads' scores (or their max), and goes whole. A plan may also demote heads
-(`PrunePlan.demoted`): they stay, with a sink-plus-window cache (`headlab.streaming`).
+(`PrunePlan.demoted`): they stay, with a sink-plus-window cache (`headlab.attention.streaming`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from headlab._io import atomic_write_text
+from headlab._util.io import atomic_write_text
 from headlab.analysis import (
     HeadStats,
     TokenRoles,
@@ -34,8 +34,8 @@ from headlab.analysis import (
     head_statistics,
     rollout,
 )
+from headlab.attention.hooks import capture
 from headlab.errors import UserError
-from headlab.hooks import capture
 from headlab.models.base import HeadModel
 from headlab.report import encode_attention, render
 from headlab.results import BeforeAfter, DataSummary, RunResult, Sample
@@ -287,8 +287,8 @@ def attention_html(model: HeadModel, text: str, *, height: int = 720) -> Attenti
 def _load(model_or_name: HeadModel | str | Path, device: str) -> HeadModel:
     if isinstance(model_or_name, torch.nn.Module):
         return model_or_name
-    from headlab.config import resolve_device
     from headlab.models import load
+    from headlab.runs.config import resolve_device
 
     return load(model_or_name, device=resolve_device(device))
 

@@ -43,7 +43,7 @@ def bpe_tokenizer(*, cls: str, sep: str, pad: str, mask: str, unk: str, specials
     (their order fixes their ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from headlab.data import bundled_text
+    from headlab.data.texts import bundled_text
 
     tok = Tokenizer(models.BPE(unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

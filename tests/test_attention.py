@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from headlab.attention import MultiHeadAttention, apply_rotary
-from headlab.kv_cache import KVCache
-from headlab.masks import Mask
+from headlab.attention import MultiHeadAttention
+from headlab.attention.kv_cache import KVCache
+from headlab.attention.masks import Mask
+from headlab.attention.rotary import apply_rotary
 
 F64 = torch.float64
 F32 = torch.float32

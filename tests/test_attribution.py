@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import headlab
-from headlab.attribution import logit_attribution
+from headlab.analysis.attribution import logit_attribution
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,7 @@ def test_recipe_unknown_key(tmp_path):
 
 
 def test_every_recipe_parses_and_starts_with_its_command():
-    from headlab.config import load_recipe
+    from headlab.runs.config import load_recipe
 
     recipes = sorted((ROOT / "recipes").glob("*.toml"))
     assert {p.stem for p in recipes} >= {"gpt2-wikitext2", "bert-mnli", "smollm2-offline",
@@ -205,7 +205,7 @@ def test_prune_takes_per_token_gates_beside_a_random_curve(tiny_gpt2_dir, tmp_pa
 
 
 def test_ctrl_c_leaves_interrupted_status_and_no_partial_results(tiny_gpt2_dir, tmp_path):
-    from headlab.data import bundled_text
+    from headlab.data.texts import bundled_text
 
     out = tmp_path / "int"
     # the bundled text 20 times: ablation on it runs for a minute even on a fast machine,

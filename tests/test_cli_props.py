@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headlab.config import DEVICES, DTYPES, METHODS, SCHEDULES, RunConfig, load_recipe
 from headlab.errors import UserError
+from headlab.runs.config import DEVICES, DTYPES, METHODS, SCHEDULES, RunConfig, load_recipe
 
 _values = st.one_of(
     st.none(), st.booleans(), st.integers(-10**6, 10**6),

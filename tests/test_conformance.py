@@ -36,14 +36,14 @@ from _families import (
 from torch.testing import assert_close
 
 from headlab import capture, load, load_texts, make_blocks, prepare
-from headlab.attribution import logit_attribution
+from headlab.analysis.attribution import logit_attribution
+from headlab.analysis.patching import logit_diff, patch, patched_metric
+from headlab.attention.hooks import hook_names
 from headlab.detectors import detect, kinds_for
 from headlab.errors import UserError
-from headlab.hooks import hook_names
 from headlab.importance import METHODS, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
-from headlab.patching import logit_diff, patch, patched_metric
 from headlab.pruning import copy_model, demote, prune
 from headlab.recovery import recover
 from headlab.selection import PrunePlan, kv_groups, select_groups
@@ -184,7 +184,7 @@ def test_transformers(family, checkpoints, loaded):
 @each_family
 def test_hooks(family, loaded):
     """Every ``blocks.{i}.attn.{q|k|v|scores|pattern|z|out}`` exists and captures the
-    shape headlab.hooks documents."""
+    shape headlab.attention.hooks documents."""
     model = loaded(family)
     ids, _ = _batch(model, rows=2, length=10, padded=False)
     B, S = ids.shape
@@ -392,7 +392,7 @@ def _sharded_worker(rank: int, root: str) -> None:
     it, save it sharded; what each gave (or the error) goes to rank{rank}.pt."""
     from test_sharding import _group
 
-    from headlab import sharding
+    from headlab.parallel import sharding
 
     torch.set_num_threads(1)
     job = torch.load(Path(root) / "jobs.pt")

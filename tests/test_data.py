@@ -17,16 +17,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from headlab.data import (
-    BUNDLED_SPEC,
-    Blocks,
-    DataError,
-    TextData,
-    bundled_text,
-    load_texts,
-    sentences,
-    split_blocks,
-)
+from headlab.data.blocks import Blocks, DataError, split_blocks
+from headlab.data.texts import BUNDLED_SPEC, TextData, bundled_text, load_texts, sentences
 from headlab.objectives import make_blocks
 
 

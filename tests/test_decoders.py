@@ -92,7 +92,7 @@ def test_logits_and_patterns_match_transformers(pair):
 def test_hooks_have_the_shared_names_and_shapes(pair):
     """Every hook of every block, at the names and shapes all headlab models share; the
     residual stream after block 0 equals transformers' hidden state after layer 0."""
-    from headlab.hooks import capture
+    from headlab.attention.hooks import capture
 
     _, _, model, hf = pair
     ids, _ = _batch()
@@ -291,7 +291,7 @@ def _per_example_gate_grads(model, examples: torch.Tensor) -> torch.Tensor:
 
 
 def test_michel_equals_per_example_brute_force(pair):
-    from headlab.data import Blocks
+    from headlab.data.blocks import Blocks
     from headlab.importance import score
 
     model = copy.deepcopy(pair[2])

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from headlab import _progress
-from headlab.checkpoint import Checkpoint
-from headlab.data import Blocks
+from headlab._util import progress as _progress
+from headlab._util.checkpoint import Checkpoint
+from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.models.bert import Bert, BertConfig
 from headlab.models.gpt2 import GPT2, GPT2Config

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import headlab
-from headlab import distributed
+from headlab.parallel import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 N_BLOCKS = 7  # odd: the shards are 4 and 3 blocks, the last batch short

@@ -19,9 +19,9 @@ import torch
 from _encoders import FAMILIES, VOCAB, batch, load_hf, write_checkpoint
 from torch.testing import assert_close
 
-from headlab.data import Blocks
+from headlab.attention.hooks import capture
+from headlab.data.blocks import Blocks
 from headlab.errors import UserError
-from headlab.hooks import capture
 from headlab.importance import score
 from headlab.models import load
 from headlab.models.export import export_hf

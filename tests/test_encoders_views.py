@@ -1,5 +1,5 @@
 """The encoder families beside BERT through headlab's views and hooks: every hook name
-with the shapes `headlab.hooks` documents, bertviz's input built from the family's own
+with the shapes `headlab.attention.hooks` documents, bertviz's input built from the family's own
 special tokens (sentence pairs split at the separator), the offline view, and a
 sentence-transformers directory pooled as its pipeline says.
 
@@ -22,7 +22,7 @@ from _encoders import (
 )
 from torch.testing import assert_close
 
-from headlab.hooks import capture
+from headlab.attention.hooks import capture
 from headlab.models import load
 from headlab.objectives import objective_for
 from headlab.viz import attention_for_bertviz, attention_html

@@ -22,8 +22,9 @@ from _curvature import gauss_newton_by_hand
 from torch.testing import assert_close
 
 import headlab
-from headlab.data import Blocks, TextData, load_texts
-from headlab.evaluate import evaluate
+from headlab.data.blocks import Blocks
+from headlab.data.texts import TextData, load_texts
+from headlab.evaluate.quality import evaluate
 from headlab.objectives import make_blocks, mask_tokens, objective_for, prepare
 
 # float64 sums of float32 log-probabilities: the metric is exp of a mean of ~1e3 terms

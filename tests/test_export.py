@@ -52,8 +52,8 @@ def test_gpt2_says_why_it_keeps_headlab_format(tiny_gpt2):
 
 
 def test_cli_export_hf_per_layer(tiny_llama_dir, tmp_path):
-    from headlab.config import RunConfig
-    from headlab.runs import run
+    from headlab.runs.config import RunConfig
+    from headlab.runs.pipeline import run
 
     out, results = run(RunConfig(model=str(tiny_llama_dir), keep=0.5, per_layer=True,
                                  export="hf", max_tokens=2048, seq_len=32, step=0.5,

@@ -1,4 +1,4 @@
-"""Tests for headlab.generation: cached greedy and sampled decoding on tiny random models.
+"""Tests for headlab.models.generation: cached greedy and sampled decoding on tiny random models.
 
 Every check runs on both a GPT-2 (learned positions, MHA) and a Llama (rotary, GQA),
 built directly from headlab configs with random weights. The decoding kernel's products
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from headlab import kernels
-from headlab.generation import _kernel_products, generate
+from headlab.models import kernels
+from headlab.models.generation import _kernel_products, generate
 from headlab.models.gpt2 import GPT2, GPT2Config
 from headlab.models.llama import Llama, LlamaConfig
 

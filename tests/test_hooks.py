@@ -1,4 +1,4 @@
-"""Tests for headlab.hooks: capture and intervention by hook-point name.
+"""Tests for headlab.attention.hooks: capture and intervention by hook-point name.
 
 References: transformers' eager GPT-2 (``output_attentions=True``) loaded from the same
 checkpoint; the attention output rebuilt by hand from z and W_O. Equivalences: zero
@@ -18,8 +18,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from headlab.attention import MultiHeadAttention
-from headlab.data import Blocks
-from headlab.hooks import (
+from headlab.attention.hooks import (
     CaptureTooLargeError,
     ablate_heads,
     capture,
@@ -27,6 +26,7 @@ from headlab.hooks import (
     hooks,
     mean_z,
 )
+from headlab.data.blocks import Blocks
 
 B, S = 2, 12
 # float32 through a 3-layer model: differences beyond ~1e-6 are not rounding
@@ -334,7 +334,7 @@ def test_hooks_disabled_switches_every_hook_off_and_back(tiny_gpt2, ids):
     """Inside hooks_disabled a registered intervention changes nothing and a capture
     stores nothing, at every kind of hook site (run_hook calls and the points the
     attention tests itself: q, k, v, z, scores, pattern); outside, both work again."""
-    from headlab.hookpoint import hooks_disabled, hooks_enabled
+    from headlab.attention.hookpoint import hooks_disabled, hooks_enabled
 
     names = ["q", "k", "v", "z", "scores", "pattern", "out"]
     with torch.no_grad():
@@ -358,7 +358,7 @@ def test_hooks_disabled_switches_every_hook_off_and_back(tiny_gpt2, ids):
 
 
 def test_hooks_disabled_is_restored_after_an_error():
-    from headlab.hookpoint import hooks_disabled, hooks_enabled
+    from headlab.attention.hookpoint import hooks_disabled, hooks_enabled
 
     with pytest.raises(KeyError), hooks_disabled():
         raise KeyError("inside")

@@ -23,8 +23,9 @@ import torch
 from _curvature import gauss_newton_by_hand
 from torch.testing import assert_close
 
-from headlab.data import Blocks, load_texts
-from headlab.evaluate import evaluate
+from headlab.data.blocks import Blocks
+from headlab.data.texts import load_texts
+from headlab.evaluate.quality import evaluate
 from headlab.importance import METHODS, HeadScores, score
 from headlab.objectives import make_blocks
 

@@ -1,4 +1,4 @@
-"""headlab.kernels: the C decoding kernel builds here, equals float64, declines what it
+"""headlab.models.kernels: the C decoding kernel builds here, equals float64, declines what it
 does not compute, and falls back to torch without a compiler."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from headlab import kernels
+from headlab.models import kernels
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 

@@ -20,13 +20,14 @@ import transformers
 from torch.testing import assert_close
 
 import headlab
-from headlab.config import RunConfig
-from headlab.data import load_texts, split_blocks
+from headlab.data.blocks import split_blocks
+from headlab.data.texts import load_texts
 from headlab.errors import UserError
 from headlab.importance import HeadScores
 from headlab.models.export import export_hf, hf_expressible
 from headlab.objectives import make_blocks
 from headlab.pruning import prune
+from headlab.runs.config import RunConfig
 from headlab.schedule import prune_to_target
 from headlab.selection import kv_groups, select_groups
 
@@ -138,7 +139,7 @@ def test_per_layer_groups_export_to_transformers_with_fewer_kv_heads(gqa_dir, id
 
 
 def test_run_by_groups_exports_to_transformers(gqa_dir, tmp_path):
-    from headlab.runs import run
+    from headlab.runs.pipeline import run
 
     out, result = run(RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=0.5,
                                 per_layer=True, export="hf", recover="none", max_tokens=1024,
@@ -156,7 +157,8 @@ def test_run_by_groups_exports_to_transformers(gqa_dir, tmp_path):
 
 
 def test_kv_group_on_a_model_without_gqa_prunes_single_heads(tiny_gpt2_dir, caplog):
-    from headlab.runs import _target, load_model
+    from headlab.runs.inputs import load_model
+    from headlab.runs.pipeline import _target
 
     cfg = RunConfig(model=str(tiny_gpt2_dir), unit="kv-group", kv_keep=0.5).validated()
     with caplog.at_level(logging.WARNING, logger="headlab"):
@@ -196,7 +198,7 @@ def test_demote_run_records_the_cache_and_keeps_the_demotion(gqa_dir, tmp_path):
     from headlab.pruning import demoted_heads
     from headlab.report import build_report
     from headlab.results import RunResult
-    from headlab.runs import run
+    from headlab.runs.pipeline import run
 
     out, result = run(RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=0.5,
                                 demote=True, sinks=2, window=8, max_tokens=1024, seq_len=32,
@@ -225,7 +227,9 @@ def test_demote_by_a_detector_demotes_its_lowest_scoring_groups(gqa_dir, tmp_pat
                                                                 group_score):
     from headlab.detectors import detect
     from headlab.pruning import trial
-    from headlab.runs import _Stage, build_data, load_model, run
+    from headlab.runs.inputs import build_data, load_model
+    from headlab.runs.pipeline import run
+    from headlab.runs.stages import Stage
 
     cfg = RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=0.5, demote=True,
                     demote_by="sink", group_score=group_score, sinks=2, window=8,
@@ -249,7 +253,7 @@ def test_demote_by_a_detector_demotes_its_lowest_scoring_groups(gqa_dir, tmp_pat
     # "removed instead" is the held-out quality with the detector's groups masked
     model = load_model(cfg.validated())
     _, heldout, _ = build_data(cfg, model)
-    stage = _Stage(cfg, out, model, heldout, heldout, 32)
+    stage = Stage(cfg, out, model, heldout, heldout, 32)
     with trial(model, stage._demotion(None, 3)[0]):
         expected = headlab.evaluate(model, heldout, batch_size=cfg.batch_size).value
     assert kv.quality_removed == pytest.approx(expected, rel=1e-6)
@@ -284,7 +288,7 @@ def test_the_command_demotes_by_the_retrieval_detector(gqa_dir, tmp_path):
 
 
 def test_predicted_speedup_scales_the_attention_share_by_the_keys_read():
-    from headlab.cache_report import predicted_speedup
+    from headlab.evaluate.cache import predicted_speedup
 
     # half of a step is attention; half the kv heads then read 10 keys instead of 1000
     got = predicted_speedup(0.5, kv_full=1, kv_demoted=1, slots=10, context=1000)

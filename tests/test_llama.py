@@ -22,13 +22,13 @@ from transformers import (
     MistralForCausalLM,
 )
 
-from headlab import sharding
-from headlab.generation import generate
 from headlab.models import load
 from headlab.models.export import export_hf, hf_expressible
+from headlab.models.generation import generate
 from headlab.models.llama import Llama
 from headlab.models.llama import LlamaConfig as HLLlamaConfig
 from headlab.models.loading import bundled_path
+from headlab.parallel import sharding
 
 LOGITS = {"rtol": 0.0, "atol": 1e-4}  # float32 logits against transformers
 WEIGHTS = {"rtol": 0.0, "atol": 1e-5}  # attention weights, cache vs recompute

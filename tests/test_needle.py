@@ -1,4 +1,4 @@
-"""Tests for headlab.needle: the offline needle-in-a-haystack check.
+"""Tests for headlab.evaluate.needle: the offline needle-in-a-haystack check.
 
 Invariants: each prompt holds the fact once, at the asked depth of its filler, and is
 about the asked length in tokens; the scorer takes the answer's first number; the grid
@@ -12,9 +12,16 @@ import pytest
 import torch
 
 import headlab
-from headlab.data import load_texts
+from headlab.data.texts import load_texts
 from headlab.errors import UserError
-from headlab.needle import NeedleResult, _correct, _fact, _prompt, default_lengths, needle_test
+from headlab.evaluate.needle import (
+    NeedleResult,
+    _correct,
+    _fact,
+    _prompt,
+    default_lengths,
+    needle_test,
+)
 
 
 def test_prompts_hold_the_fact_at_its_depth_and_about_the_length(bpe_tokenizer):

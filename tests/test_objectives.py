@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import headlab
-from headlab.data import LAYOUTS, TextData, load_texts
+from headlab.data.blocks import LAYOUTS
+from headlab.data.texts import TextData, load_texts
 from headlab.errors import UserError
 from headlab.objectives import DEFAULT_BATCH_SIZE, OBJECTIVES, make_blocks, objective_for
 

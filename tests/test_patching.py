@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import headlab
-from headlab.patching import logit_diff, patch, patched_metric
+from headlab.analysis.patching import logit_diff, patch, patched_metric
 from tests.test_attribution import tiny_llama  # noqa: F401  (a fixture)
 
 

@@ -1,10 +1,10 @@
-"""headlab._progress: a stop request ends every tracked loop, bars on or off."""
+"""headlab._util.progress: a stop request ends every tracked loop, bars on or off."""
 
 from __future__ import annotations
 
 import pytest
 
-from headlab import _progress
+from headlab._util import progress as _progress
 
 
 @pytest.mark.parametrize("bars", [False, True])

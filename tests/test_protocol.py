@@ -1,4 +1,4 @@
-"""Tests for headlab.protocol: calibration and evaluation sets the papers' way.
+"""Tests for headlab.data.protocol: calibration and evaluation sets the papers' way.
 
 References: the windows perplexity recomputed directly with transformers' GPT-2 in
 float64 (non-overlapping windows of the joined text, mean token loss); the windows
@@ -23,17 +23,17 @@ from torch.testing import assert_close
 from typer.testing import CliRunner
 
 from headlab.cli import app
-from headlab.data import TextData, load_texts
-from headlab.errors import DataError, UserError
-from headlab.evaluate import evaluate
-from headlab.protocol import (
+from headlab.data.protocol import (
     Settings,
-    build_sets,
     calibration_windows,
     eval_seq_len_for,
     evaluation_windows,
     split_documents,
 )
+from headlab.data.texts import TextData, load_texts
+from headlab.errors import DataError, UserError
+from headlab.evaluate.quality import evaluate
+from headlab.runs.inputs import build_sets
 
 WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "grove", "heron", "iris",
          "juniper", "kelp", "lumen", "maple", "nectar", "onyx", "pine")

@@ -20,10 +20,11 @@ import torch
 from torch.testing import assert_close
 
 import headlab
-from headlab.checkpoint import Checkpoint
-from headlab.data import load_texts, split_blocks
+from headlab._util.checkpoint import Checkpoint
+from headlab.data.blocks import split_blocks
+from headlab.data.texts import load_texts
 from headlab.errors import UserError
-from headlab.evaluate import evaluate
+from headlab.evaluate.quality import evaluate
 from headlab.importance import HeadScores, score
 from headlab.objectives import make_blocks
 from headlab.pruning import prune, trial
@@ -449,7 +450,7 @@ def test_versus_random_takes_named_variants_and_keeps_options_from_random(tiny_g
 def test_compare_latency_times_both_models_in_the_same_rounds(tiny_gpt2, tiny_gpt2_dir):
     """A model made 20 ms slower per forward is measured 20 ms slower, and each model is
     called once per round after one warm-up (alternating, so a slow spell hits both)."""
-    from headlab.runs import compare_latency
+    from headlab.runs.stages import compare_latency
 
     slow = headlab.load(tiny_gpt2_dir)
     calls = []

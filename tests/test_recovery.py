@@ -24,10 +24,10 @@ import transformers
 from torch.testing import assert_close
 
 import headlab
-from headlab.data import Blocks
+from headlab.attention.hooks import capture
+from headlab.data.blocks import Blocks
 from headlab.errors import UserError
-from headlab.evaluate import evaluate
-from headlab.hooks import capture
+from headlab.evaluate.quality import evaluate
 from headlab.models import bert, gpt2, llama
 from headlab.models.export import export_hf
 from headlab.pruning import copy_model, prune

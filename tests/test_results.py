@@ -43,7 +43,7 @@ def test_a_results_json_without_a_version_reads_back_key_for_key(kind):
     assert written.pop("kv_cache") is None  # no kv-group or demotion run
     assert written["quality"].pop("pruned") is None
     assert written["quality"].pop("loss_pruned") is None
-    # what the calibration / evaluation protocol added (headlab.protocol)
+    # what the calibration / evaluation protocol added (headlab.data.protocol)
     for key in ("eval_spec", "eval_protocol", "eval_seq_len", "calib_samples",
                 "calib_seq_len", "separation"):
         assert written["data"].pop(key) is None

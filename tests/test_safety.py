@@ -72,7 +72,7 @@ def test_headlab_dir_with_unknown_config_key_is_rejected(tiny_gpt2, tmp_path):
 
 _WRITER = """
 import sys
-from headlab._io import atomic_write_json
+from headlab._util.io import atomic_write_json
 path = sys.argv[1]
 i = 0
 while True:

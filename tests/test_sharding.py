@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import headlab
-from headlab import distributed, memory, sharding
-from headlab.config import RunConfig
 from headlab.errors import UserError
+from headlab.parallel import distributed, memory, sharding
+from headlab.runs.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 N_BLOCKS = 5
@@ -491,7 +491,7 @@ def _distilled_one(model_dir, params: str):
 
 
 def _distill_worker(rank: int, world: int, model_dir: str, store: str, out: str) -> None:
-    from headlab.checkpoint import Checkpoint
+    from headlab._util.checkpoint import Checkpoint
 
     torch.set_num_threads(1)
     with _group("gloo", rank, world, store):

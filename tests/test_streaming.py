@@ -1,4 +1,4 @@
-"""Demoted heads (`headlab.streaming`): a sink + window cache instead of the full one.
+"""Demoted heads (`headlab.attention.streaming`): a sink + window cache instead of the full one.
 
 Equivalence: a layer with demoted heads (plain, soft-capped, QK-normed) == the same
 layer with a full cache and the equivalent per-head sink + window mask (given to the
@@ -25,12 +25,12 @@ from torch.testing import assert_close
 
 import headlab
 from headlab.attention import MultiHeadAttention
+from headlab.attention.masks import Mask
+from headlab.attention.streaming import Streaming, StreamingCache, key_sets
 from headlab.errors import UserError
-from headlab.masks import Mask
 from headlab.models.export import export_hf, hf_expressible
 from headlab.pruning import demote, demoted_heads
 from headlab.selection import PrunePlan, kv_groups
-from headlab.streaming import Streaming, StreamingCache, key_sets
 
 # the issue's bound for a demoted head against the masked full-cache head, float64 maths
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}

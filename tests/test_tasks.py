@@ -1,4 +1,4 @@
-"""Tests for headlab.tasks: lm-evaluation-harness on headlab's models.
+"""Tests for headlab.evaluate.lm_eval: lm-evaluation-harness on headlab's models.
 
 Reference: lm-eval's own `HFLM` on the transformers model of the same checkpoint (a
 random GPT-2 saved here; the bundled SmolLM2 through its GGUF, marked slow): per-request
@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 import headlab
 from headlab.errors import UserError
-from headlab.tasks import HeadlabLM, run_tasks
+from headlab.evaluate.lm_eval import HeadlabLM, run_tasks
 
 QUESTIONS = [
     ("The cat sat on the", ["mat", "sky", "river"], 0),

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import headlab
-from headlab.data import TextData, bundled_text, load_texts, split_blocks
+from headlab.data.blocks import split_blocks
+from headlab.data.texts import TextData, bundled_text, load_texts
 from headlab.errors import CorruptFileError, DataError, RunLockedError, UserError
 from headlab.objectives import make_blocks
 
@@ -239,19 +240,19 @@ def test_errors_are_value_errors_and_user_errors():
 
 def test_a_programming_error_keeps_its_traceback(capsys, monkeypatch, tiny_gpt2_dir, tmp_path):
     """Not every exception is bad input: a bug exits 1 with its traceback."""
-    import headlab.runs
+    import headlab.runs.pipeline
 
     def broken(cfg):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(headlab.runs, "load_model", broken)
+    monkeypatch.setattr(headlab.runs.pipeline, "load_model", broken)
     with pytest.raises(ZeroDivisionError):
         cli(capsys, "score", "-m", str(tiny_gpt2_dir), "--out", str(tmp_path / "run"))
 
 
 # ---------------------------------------------------------------- one run per directory
 def test_two_runs_on_one_out_one_proceeds_the_other_names_it(capsys, tiny_gpt2_dir, tmp_path):
-    from headlab import runlock
+    from headlab.runs import lock as runlock
 
     out = tmp_path / "run"
     text = tmp_path / "long.txt"  # ablation on this runs for minutes: the first run lives
@@ -441,7 +442,7 @@ def uninterrupted(tiny_gpt2_dir, tmp_path_factory):
 @pytest.mark.parametrize("moment", sorted(MOMENTS))
 def test_killed_at_any_moment_resumes_to_the_same_run_and_no_temp_file(
         tiny_gpt2_dir, tmp_path, uninterrupted, moment):
-    from headlab import runlock
+    from headlab.runs import lock as runlock
 
     data, full = uninterrupted
     cut = tmp_path / "cut"
@@ -495,12 +496,12 @@ def test_a_real_full_disk_fails_the_run_cleanly(tiny_gpt2_dir, tmp_path):
 
 def test_ctrl_c_before_the_run_directory_exists_names_none(capsys, monkeypatch, tiny_gpt2_dir,
                                                            tmp_path):
-    import headlab.runs
+    import headlab.runs.pipeline
 
     def interrupted(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(headlab.runs, "load_model", interrupted)
+    monkeypatch.setattr(headlab.runs.pipeline, "load_model", interrupted)
     code, _, err = cli(capsys, "score", "-m", str(tiny_gpt2_dir), "--out", str(tmp_path / "r"))
     assert code == 130 and "nothing to resume" in err and "--resume" not in err
     assert not (tmp_path / "r").exists()
@@ -509,8 +510,8 @@ def test_ctrl_c_before_the_run_directory_exists_names_none(capsys, monkeypatch, 
 def test_files_follow_the_umask_and_stale_temps_are_removed(tmp_path):
     from safetensors.torch import save_file
 
-    from headlab._io import atomic_dir, atomic_path
-    from headlab.runlock import remove_stale_temps
+    from headlab._util.io import atomic_dir, atomic_path
+    from headlab.runs.lock import remove_stale_temps
 
     old = os.umask(0o027)
     try:

@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 import headlab
-from headlab.validation import ablation_costs, spearman, validate
+from headlab.analysis.validation import Validation, ablation_costs, spearman, validate
 
 
 def test_spearman_matches_scipy_with_ties():
@@ -57,7 +57,7 @@ def test_validate_table(tiny_gpt2, tiny_blocks):
     if sum(got.random_curve) <= 0:
         assert math.isnan(got.row("ablation").auc_ratio)
     assert "| ablation | importance | +1.000 |" in got.table()
-    back = headlab.validation.Validation.from_json(got.to_json())
+    back = Validation.from_json(got.to_json())
     assert back.table() == got.table()
 
 
@@ -73,6 +73,6 @@ def test_cli_validate_prints_the_table(tiny_gpt2_dir, tmp_path):
                                       "--max-tokens", "192", "--seq-len", "24", "--n-boot",
                                       "50", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    saved = headlab.validation.Validation.from_json(__import__("json").loads(out.read_text()))
+    saved = Validation.from_json(__import__("json").loads(out.read_text()))
     assert [r.name for r in saved.rows] == ["entropy", "random", "sink"]
     assert saved.table() in result.output

@@ -262,7 +262,7 @@ class HeadStatsAccumulator:
         rank that saw no batch contributes zeros); nothing happens outside torchrun."""
         import torch.distributed as dist
 
-        from headlab import distributed
+        from headlab.parallel import distributed
 
         if not distributed.data_parallel():
             return

@@ -1,5 +1,5 @@
 """Benchmarks behind `headlab bench`: every figure is a ratio to a reference run in the
-same process, on the same weights and inputs, timed as `headlab._timing` describes.
+same process, on the same weights and inputs, timed as `headlab._util.timing` describes.
 
     attention   headlab MultiHeadAttention vs torch.nn.MultiheadAttention and vs bare
                 scaled_dot_product_attention between the same projections; KV-cache decode
@@ -7,7 +7,7 @@ same process, on the same weights and inputs, timed as `headlab._timing` describ
     models      forward tokens/s vs transformers (sdpa) on the same weights: parity, as
                 both run torch's products
     hooks       hook points present but idle vs the same forward with hooks switched off
-                (`headlab.hookpoint.hooks_disabled`); capturing every pattern vs a plain
+                (`headlab.attention.hookpoint.hooks_disabled`); capturing every pattern vs a plain
                 forward; capture memory
     importance  Michel scoring tokens/s vs plain forward+backward tokens/s
     pruning     latency drop of a model pruned to keep 0.5 vs the FLOP-predicted drop
@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from headlab._io import atomic_write_json, atomic_write_text
-from headlab._timing import cores, load_average, machine_info, pinned_threads
+from headlab._util.io import atomic_write_json, atomic_write_text
+from headlab._util.timing import cores, load_average, machine_info, pinned_threads
 from headlab.bench._common import BenchResult, Figure, Target, markdown_table, versions
 from headlab.bench._models import TINY_BERT, TINY_GPT2, TINY_LLAMA, ModelCache, ModelSpec
 from headlab.bench.attention import AttentionSizes, bench_attention
@@ -131,10 +131,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _device(name: str) -> str:
-    """The device to run on: `headlab.config.resolve_device`, and CUDA only where torch
+    """The device to run on: `headlab.runs.config.resolve_device`, and CUDA only where torch
     sees it."""
-    from headlab.config import resolve_device
     from headlab.errors import UserError
+    from headlab.runs.config import resolve_device
 
     device = resolve_device(name)
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -149,7 +149,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
     ``out/summary.md``; print the Markdown table of targets.
 
     ``preset`` ("full", "quick", "tiny") overrides ``quick``; ``threads`` overrides the
-    thread count (see `headlab._timing.pinned_threads`). A benchmark that fails is
+    thread count (see `headlab._util.timing.pinned_threads`). A benchmark that fails is
     recorded as failed (its JSON holds the error) and the others still run; a UserError
     naming the failures is raised at the end.
     """

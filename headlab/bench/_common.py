@@ -21,7 +21,7 @@ __all__ = ["BenchResult", "Figure", "Target", "Timing", "markdown_table", "max_d
 @dataclass(frozen=True, kw_only=True)
 class Timing:
     """How a timed benchmark repeats itself: ``warmup`` untimed rounds, then ``repeats``
-    interleaved timed ones (`headlab._timing.time_interleaved`). Every timed benchmark's
+    interleaved timed ones (`headlab._util.timing.time_interleaved`). Every timed benchmark's
     sizes extend it, so the two settings mean the same in every preset."""
 
     repeats: int = 3

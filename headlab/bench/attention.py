@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headlab._timing import ms, ratios, sync, time_interleaved
+from headlab._util.timing import ms, ratios, sync, time_interleaved
 from headlab.bench._common import BenchResult, Timing, max_diff
 
 __all__ = ["AttentionSizes", "bench_attention"]
@@ -38,7 +38,7 @@ class AttentionSizes(Timing):
 def bench_attention(sizes: AttentionSizes, *, device: str = "cpu", models=None) -> BenchResult:
     """headlab MHA vs torch MHA and vs bare SDPA between the same projections; decode."""
     from headlab.attention import MultiHeadAttention
-    from headlab.kv_cache import KVCache
+    from headlab.attention.kv_cache import KVCache
 
     E, H = sizes.d_model, sizes.n_heads
     D = E // H

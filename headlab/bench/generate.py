@@ -1,4 +1,4 @@
-"""``headlab bench generate``: batch-1 greedy decoding tokens/s of `headlab.generation`
+"""``headlab bench generate``: batch-1 greedy decoding tokens/s of `headlab.models.generation`
 with its decoding kernel, with torch's products (``decode_kernel=False``) and of
 transformers' generate on the same weights, all in the same interleaved rounds; and the
 fraction of the memory-bandwidth bound (every new token reads every weight once)."""
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab._timing import rate, ratios, time_interleaved
+from headlab._util.timing import rate, ratios, time_interleaved
 from headlab.bench._common import BenchResult, Timing
 from headlab.bench._models import SMOLLM2, ModelCache, ModelSpec, model_cache, random_ids
 from headlab.bench.long_context import LongContextSizes, long_context_section
@@ -42,13 +42,13 @@ def _agree(a: torch.Tensor, b: torch.Tensor) -> int:
 def bench_generate(sizes: GenerateSizes, *, device: str = "cpu",
                    models: ModelCache | None = None) -> BenchResult:
     """Batch-1 greedy decoding tokens/s: kernel vs torch's products vs transformers."""
-    from headlab import kernels
-    from headlab.generation import generate
+    from headlab.models import kernels
+    from headlab.models.generation import generate
 
     N = sizes.new_tokens
     res = BenchResult.of_sizes("generate", sizes, batch=1)
     res.method = {
-        "headlab": f"headlab.generation.generate(model, prompt, max_new_tokens={N}, "
+        "headlab": f"headlab.models.generation.generate(model, prompt, max_new_tokens={N}, "
                    "eos_token_id=()) (greedy, never stops early; decode steps on the C "
                    "kernel, decode_kernel=True)",
         "headlab_torch_products": "the same call with decode_kernel=False: every product "

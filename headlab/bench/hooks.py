@@ -1,5 +1,5 @@
 """``headlab bench hooks``: what hook points cost when idle (against the same forward
-with hooks switched off by `headlab.hookpoint.hooks_disabled`), what capturing every
+with hooks switched off by `headlab.attention.hookpoint.hooks_disabled`), what capturing every
 attention pattern costs in time, and in memory."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab._timing import ms, ratios, time_interleaved
+from headlab._util.timing import ms, ratios, time_interleaved
 from headlab.bench._common import BenchResult, Timing, max_diff
 from headlab.bench._models import GPT2_SMALL, ModelCache, ModelSpec, model_cache, random_ids
 
@@ -63,7 +63,7 @@ def peak_bytes(fn: Callable[[], object], device: str) -> int:
 
 def _hook_check_ns(points: int = 10_000) -> float:
     """Nanoseconds one idle ``run_hook`` costs (the switch, a dict truth test, a call)."""
-    from headlab.hookpoint import HookPoint, run_hook
+    from headlab.attention.hookpoint import HookPoint, run_hook
 
     p = HookPoint()
     x = torch.zeros(1)
@@ -79,8 +79,8 @@ def _hook_check_ns(points: int = 10_000) -> float:
 def bench_hooks(sizes: HooksSizes, *, device: str = "cpu",
                 models: ModelCache | None = None) -> BenchResult:
     """Idle hook points vs hooks switched off; capturing every pattern; memory."""
-    from headlab.hookpoint import HookPoint, hooks_disabled
-    from headlab.hooks import capture
+    from headlab.attention.hookpoint import HookPoint, hooks_disabled
+    from headlab.attention.hooks import capture
 
     B, S = sizes.batch, sizes.seq
     res = BenchResult.of_sizes("hooks", sizes)
@@ -89,7 +89,7 @@ def bench_hooks(sizes: HooksSizes, *, device: str = "cpu",
         n_points = sum(isinstance(m, HookPoint) for m in model.modules())
         res.method = {
             "idle": "headlab forward with hook points and none active",
-            "switched_off": "the same model and input inside headlab.hookpoint."
+            "switched_off": "the same model and input inside headlab.attention.hookpoint."
                             "hooks_disabled(): every run_hook returns its input after one "
                             "read of a module flag; its output is checked bit-identical",
             "idle_over_switched_off": "idle time / switched-off time per round "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab._timing import rate, ratios, time_interleaved
+from headlab._util.timing import rate, ratios, time_interleaved
 from headlab.bench._common import BenchResult, Timing
 from headlab.bench._models import GPT2_SMALL, ModelCache, ModelSpec, model_cache, random_ids
 
@@ -28,7 +28,7 @@ class ImportanceSizes(Timing):
 def bench_importance(sizes: ImportanceSizes, *, device: str = "cpu",
                      models: ModelCache | None = None) -> BenchResult:
     """Michel scoring tokens/s vs forward + backward with parameter gradients."""
-    from headlab.data import Blocks
+    from headlab.data.blocks import Blocks
     from headlab.importance import score
     from headlab.objectives import objective_for
 

@@ -4,11 +4,11 @@ kv-group pruning and after demotion, at the contexts where the cache is what cos
 Three models on the same weights: the model as it came, the model with half its GQA
 groups removed (`select_groups` on michel scores, ``kv_keep``), and the model with those
 same groups demoted to a sink + window cache. At each context: batch-1 greedy decoding
-tokens/s (steps interleaved across the three, `headlab.cache_report.decode_step_times`),
+tokens/s (steps interleaved across the three, `headlab.evaluate.cache.decode_step_times`),
 cache bytes held against the prediction from the kept groups, cache memory allocated;
 at the longest context, the share of a decoding step spent in attention proper and the
 speed-up demotion should give by it; held-out perplexity of one long block; and
-needle-in-a-haystack accuracy (`headlab.needle`, its filler the held-out text) on a grid
+needle-in-a-haystack accuracy (`headlab.evaluate.needle`, its filler the held-out text) on a grid
 of lengths, by default past the demoted heads' sinks + window.
 """
 
@@ -58,7 +58,7 @@ def _tokens(model, n: int, seed: int) -> tuple[torch.Tensor, str]:
     if tok is None:
         return torch.randint(0, model.config.vocab_size, (n,),
                              generator=torch.Generator().manual_seed(seed)), "random tokens"
-    from headlab.data import bundled_text
+    from headlab.data.texts import bundled_text
 
     ids = torch.tensor(tok(bundled_text())["input_ids"])
     reps = math.ceil(n / ids.numel())
@@ -81,7 +81,7 @@ def _perplexity(model, ids: torch.Tensor, chunk: int = 1024) -> float:
 
 def _cache_bytes(cache) -> tuple[int, int]:
     """Bytes of the entries held and bytes allocated by a model's cache."""
-    from headlab.streaming import StreamingCache
+    from headlab.attention.streaming import StreamingCache
 
     held = alloc = 0
     for layer in cache.layers:
@@ -99,12 +99,12 @@ def _cache_bytes(cache) -> tuple[int, int]:
 def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
                          device: str) -> None:
     """Add the long-context figures, checks and targets to ``res`` (see the module)."""
-    from headlab.cache_report import attention_share, decode_step_times, predicted_speedup
-    from headlab.data import Blocks
+    from headlab.attention.streaming import n_streaming
+    from headlab.data.blocks import Blocks
+    from headlab.evaluate.cache import attention_share, decode_step_times, predicted_speedup
     from headlab.importance import score
     from headlab.pruning import copy_model, demote, prune
     from headlab.selection import heads_to_keep, kv_groups, select_groups
-    from headlab.streaming import n_streaming
 
     limit = model.max_positions
     steps = sizes.steps
@@ -181,8 +181,8 @@ def _needle_half(res: BenchResult, models: dict[str, Any], held: torch.Tensor,
                  sizes: LongContextSizes, source: str) -> None:
     """Needle accuracy of the three models on the same prompts, their filler the
     held-out tokens ``held`` (T,), and the target on demotion's loss over removal's."""
-    from headlab.data import TextData
-    from headlab.needle import ANSWER_TOKENS, needle_test
+    from headlab.data.texts import TextData
+    from headlab.evaluate.needle import ANSWER_TOKENS, needle_test
 
     limit, tok = models["before"].max_positions, models["before"].tokenizer
     # a length must leave the needle's answer tokens within the model's positions
@@ -199,7 +199,7 @@ def _needle_half(res: BenchResult, models: dict[str, Any], held: torch.Tensor,
                                filler=filler, seed=0, batch_size=1)
              for name, m in models.items()}
     res.method["long_context_needle"] = (
-        f"headlab.needle.needle_test at {lengths} tokens, fact at depths {depths}, "
+        f"headlab.evaluate.needle.needle_test at {lengths} tokens, fact at depths {depths}, "
         f"{sizes.needle_trials} prompt(s) per cell (seed 0, the same prompts for every "
         f"model), filler = {filler.spec}, greedy answers one prompt at a time; accuracy = "
         "exact-match fraction over the grid; lost = the unpruned accuracy - the model's")

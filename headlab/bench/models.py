@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headlab._timing import rate, ratios, time_interleaved
+from headlab._util.timing import rate, ratios, time_interleaved
 from headlab.bench._common import BenchResult, Timing, max_diff
 from headlab.bench._models import (
     BERT_BASE,

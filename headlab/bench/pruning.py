@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab._timing import ms, time_interleaved
+from headlab._util.timing import ms, time_interleaved
 from headlab.bench._common import BenchResult, Timing
 from headlab.bench._models import GPT2_SMALL, ModelCache, ModelSpec, model_cache, random_ids
 

@@ -1,6 +1,6 @@
 """``headlab bench quality``: held-out quality lost when pruning by michel (with and
 without the layer norm) and taylor scores, against random scores (3 seeds), on the real
-bundled models; and the validation table (`headlab.validation`): each importance
+bundled models; and the validation table (`headlab.analysis.validation`): each importance
 method's and detector's Spearman correlation with the true single-head ablation cost,
 with its bootstrap interval. Not a timing: random weights have no heads worth keeping."""
 
@@ -100,7 +100,7 @@ def _validation(res: BenchResult, name: str, seq_len: int, max_tokens: int,
     """Every method's and detector's Spearman correlation with the true ablation cost;
     random's 95% interval must contain 0 (its low end <= 0 <= its high end)."""
     import headlab
-    from headlab.validation import validate
+    from headlab.analysis.validation import validate
 
     model = headlab.load(name, device=device)
     blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
@@ -110,7 +110,7 @@ def _validation(res: BenchResult, name: str, seq_len: int, max_tokens: int,
                      headlab.prepare(model, heldout, seed=1), batch_size=sizes.batch,
                      n_boot=sizes.n_boot, name=name)
     res.method["validation"] = (
-        "headlab.validation.validate: true cost = held-out loss with one head gated off "
+        "headlab.analysis.validation.validate: true cost = held-out loss with one head gated off "
         "minus with none, per example; Spearman of each method's scores (scoring split) "
         "with its mean, 95% percentile bootstrap over held-out examples; AUC = area under "
         "the one-shot pruning curve (fractions 0.1..0.5) / random's (3 seeds)")

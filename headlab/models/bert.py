@@ -25,16 +25,9 @@ import torch
 from torch import nn
 
 from headlab.attention import MultiHeadAttention
-from headlab.hookpoint import HookPoint, run_hook
-from headlab.masks import Mask
-from headlab.models.base import (
-    Absent,
-    BlockInputs,
-    FamilyConfig,
-    HeadModel,
-    ModelOutput,
-    WeightMap,
-)
+from headlab.attention.hookpoint import HookPoint, run_hook
+from headlab.attention.masks import Mask
+from headlab.models.base import Absent, BlockInputs, FamilyConfig, HeadModel, ModelOutput
 from headlab.models.encoder import (
     HEADS,
     TiedDecoder,
@@ -46,6 +39,7 @@ from headlab.models.encoder import (
     pool,
 )
 from headlab.models.registry import register
+from headlab.models.weights import WeightMap
 
 MODEL_TYPES = ("bert",)
 

@@ -29,26 +29,13 @@ import torch
 from torch import nn
 
 from headlab.attention import MultiHeadAttention
+from headlab.attention.hookpoint import HookPoint, run_hook
+from headlab.attention.masks import Mask
+from headlab.attention.rotary import RotaryEmbedding, check_rope
 from headlab.errors import UserError
-from headlab.hookpoint import HookPoint, run_hook
-from headlab.masks import Mask
-from headlab.models.base import (
-    BlockInputs,
-    DecoderLM,
-    FamilyConfig,
-    ModelOutput,
-    WeightMap,
-    convert_state_dict,
-    load_into,
-)
-from headlab.models.layers import (
-    ACTIVATIONS,
-    MLP,
-    NORMS,
-    RotaryEmbedding,
-    check_rope,
-    make_norm,
-)
+from headlab.models.base import BlockInputs, DecoderLM, FamilyConfig, ModelOutput
+from headlab.models.layers import ACTIVATIONS, MLP, NORMS, make_norm
+from headlab.models.weights import WeightMap, convert_state_dict, load_into
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

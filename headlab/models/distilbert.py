@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from headlab.models.base import WeightMap
 from headlab.models.bert import Bert, BertConfig
 from headlab.models.encoder import build, head_map, head_of
 from headlab.models.registry import register
+from headlab.models.weights import WeightMap
 
 MODEL_TYPES = ("distilbert",)
 _ARCHITECTURES = {"DistilBertModel": "none", "DistilBertForMaskedLM": "mlm",

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headlab.models.base import WeightMap, convert_state_dict, load_into
 from headlab.models.layers import ACTIVATIONS
+from headlab.models.weights import WeightMap, convert_state_dict, load_into
 
 POOLINGS = ("mean", "cls", "max")
 # an encoder's head -> the kind of model it makes (headlab.objectives)
@@ -44,7 +44,7 @@ class TiedDecoder(nn.Module):
 
     W is the embedding's own Parameter registered here too, as GPT-2's ``lm_head``
     holds ``wte.weight``: a tie is one Parameter held by two modules, which is how
-    `headlab.memory.units` sees it and keeps both in the root FSDP unit (a unit of its
+    `headlab.parallel.memory.units` sees it and keeps both in the root FSDP unit (a unit of its
     own, the embedding would be resharded before the decoder reads it). The state
     dict holds W once, under the embedding's name: this module saves and loads nothing.
     """

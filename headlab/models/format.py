@@ -2,7 +2,7 @@
 
     DIR/config.json        the meta (below)
     DIR/model.safetensors  the state dict, tied tensors stored as separate copies; or,
-                           written block by block by `headlab.sharding`, several
+                           written block by block by `headlab.parallel.sharding`, several
                            safetensors files and model.safetensors.index.json
     DIR/tokenizer*         the tokenizer's own files, where the model has one
 
@@ -11,7 +11,7 @@ class registered (`headlab.models.registry`), so a Qwen3 comes back a Qwen3; ``k
 ``config`` and ``extra`` (the family config and the constructor's other arguments);
 and per layer ``layout`` (its kv_index: a pruned layer's shape), ``out_bias`` (whether
 W_O has a bias: recovery may give one to a family built without) and ``streaming``
-(its demoted key/value heads, `headlab.streaming`, or null).
+(its demoted key/value heads, `headlab.attention.streaming`, or null).
 
 `write` writes a whole model; the sharded writer writes the same directory from the
 rows it gathers, with `write_tensors` and `write_meta`. `build` makes the model a
@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
-from headlab._io import atomic_path, atomic_write_text, os_error
+from headlab._util.io import atomic_path, atomic_write_text, os_error
+from headlab.attention.streaming import Streaming
 from headlab.errors import ModelNotFoundError, UserError
 from headlab.models import registry
-from headlab.streaming import Streaming
 
 if TYPE_CHECKING:
     from headlab.attention import MultiHeadAttention
-    from headlab.models.base import HeadModel
 
 HEADLAB_FORMAT = 1
 INDEX = "model.safetensors.index.json"
@@ -47,8 +47,9 @@ def is_headlab(config: dict) -> bool:
 
 
 # ---------------------------------------------------------------------- writing
-def write(model: HeadModel, directory: str | Path) -> Path:
-    """Write ``model`` to ``directory``: config.json, model.safetensors, the tokenizer."""
+def write(model: nn.Module, directory: str | Path) -> Path:
+    """Write ``model`` (a `HeadModel`) to ``directory``: config.json, model.safetensors,
+    the tokenizer."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_tensors(directory / "model.safetensors", model.state_dict())
@@ -71,7 +72,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
             raise os_error(exc, path) from exc
 
 
-def write_meta(model: HeadModel, directory: Path, layers: list[dict[str, Any]], *,
+def write_meta(model: nn.Module, directory: Path, layers: list[dict[str, Any]], *,
                files: dict[str, str] | None = None) -> None:
     """config.json for ``model`` whose layers are ``layers`` (`layer_meta` each), the
     tokenizer, and with ``files`` (tensor name -> file) the safetensors index."""
@@ -108,7 +109,7 @@ def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------- reading
 def build(meta: dict[str, Any], state: dict[str, torch.Tensor],
-          where: Path) -> tuple[HeadModel, dict[str, torch.Tensor]]:
+          where: Path) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The model ``meta`` describes, without its weights, and ``state`` as the model
     names it: the family's `HeadModel.upgrade` may change both first (a directory an
     older headlab wrote). Refuses a format or a family this headlab does not know."""

@@ -14,17 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from headlab.attention import MultiHeadAttention
-from headlab.hookpoint import HookPoint, run_hook
-from headlab.masks import Mask
-from headlab.models.base import (
-    BlockInputs,
-    DecoderLM,
-    FamilyConfig,
-    WeightMap,
-    convert_state_dict,
-    load_into,
-)
+from headlab.attention.hookpoint import HookPoint, run_hook
+from headlab.attention.masks import Mask
+from headlab.models.base import BlockInputs, DecoderLM, FamilyConfig
 from headlab.models.registry import register
+from headlab.models.weights import WeightMap, convert_state_dict, load_into
 
 MODEL_TYPES = ("gpt2",)
 

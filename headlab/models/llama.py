@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from headlab.models.base import WeightMap
 from headlab.models.decoder import (
     PROJECTIONS,
     SINGLE,
@@ -28,6 +27,7 @@ from headlab.models.decoder import (
     shared_fields,
 )
 from headlab.models.registry import register
+from headlab.models.weights import WeightMap
 
 MODEL_TYPES = ("llama", "mistral")
 

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from headlab._io import cache_root
+from headlab._util.filecheck import check_safetensors, read_config, read_gguf_header
+from headlab._util.io import cache_root
 from headlab.errors import CorruptFileError, ModelNotFoundError, UserError
-from headlab.filecheck import check_safetensors, read_config, read_gguf_header
 from headlab.models import format, registry
-from headlab.models.base import HeadModel, load_into
+from headlab.models.base import HeadModel
+from headlab.models.weights import load_into
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def _load_dir(path: Path, with_tokenizer: bool) -> HeadModel:
     except ValueError as exc:  # a config or weights the family refuses, with the reason
         raise UserError(f"{path}: {str(exc).splitlines()[0]}") from exc
     if with_tokenizer:
-        model.tokenizer = _tokenizer(path)
+        model.tokenizer = read_tokenizer(path)
     return model
 
 
@@ -236,7 +237,8 @@ def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
     return model
 
 
-def _tokenizer(path: Path):
+def read_tokenizer(path: Path):
+    """The tokenizer saved in ``path``, or None (with a warning) where it has none."""
     from transformers import AutoTokenizer
 
     try:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from headlab.models.base import WeightMap
 from headlab.models.decoder import Decoder, DecoderConfig, build, read_rope, shared_fields
 from headlab.models.registry import register
+from headlab.models.weights import WeightMap
 
 MODEL_TYPES = ("gpt_neox",)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from headlab.models.base import WeightMap
 from headlab.models.decoder import (
     PROJECTIONS,
     QK_NORM,
@@ -29,6 +28,7 @@ from headlab.models.decoder import (
     shared_fields,
 )
 from headlab.models.registry import register
+from headlab.models.weights import WeightMap
 
 MODEL_TYPES = ("olmo2",)
 

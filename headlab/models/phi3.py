@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from headlab.models.base import Absent, WeightMap
+from headlab.models.base import Absent
 from headlab.models.decoder import Decoder, DecoderConfig, build, read_rope, shared_fields
 from headlab.models.registry import register
+from headlab.models.weights import WeightMap
 
 MODEL_TYPES = ("phi3",)
 

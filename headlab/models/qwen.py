@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from headlab.models.base import Absent, WeightMap
+from headlab.models.base import Absent
 from headlab.models.decoder import (
     PROJECTIONS,
     QK_NORM,
@@ -24,6 +24,7 @@ from headlab.models.decoder import (
     sliding_layers,
 )
 from headlab.models.registry import register
+from headlab.models.weights import WeightMap
 
 MODEL_TYPES = ("qwen2", "qwen3")
 

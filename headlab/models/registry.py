@@ -22,12 +22,16 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
+
+from torch import nn
 
 from headlab.errors import ModelNotFoundError
 
-if TYPE_CHECKING:
-    from headlab.models.base import FamilyConfig, HeadModel, WeightMap
+# The classes registered here are `headlab.models.base.HeadModel`s, their configs
+# `FamilyConfig`s and their maps `headlab.models.weights.WeightMap`s; they are typed by
+# what this module asks of them (a HeadModel saves through `format`, which reads this
+# registry, so base is not imported here, not even for type checking).
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,11 @@ class Family:
     tensor renamed, so that each rank of a sharded load reads only its rows of it.
     """
 
-    cls: type[HeadModel]
+    cls: type[nn.Module]
     hf_types: tuple[str, ...]
-    from_hf: Callable[..., HeadModel]
-    read_config: Callable[[dict], FamilyConfig] | None = None
-    weight_map: Callable[[FamilyConfig], WeightMap] | None = None
+    from_hf: Callable[..., nn.Module]
+    read_config: Callable[[dict], Any] | None = None
+    weight_map: Callable[[Any], Any] | None = None
 
 
 _BY_NAME: dict[str, Family] = {}
@@ -52,10 +56,10 @@ _BY_HF_TYPE: dict[str, Family] = {}
 _complete = False
 
 
-def register(cls: type[HeadModel], *, hf_types: tuple[str, ...],
-             from_hf: Callable[..., HeadModel],
-             read_config: Callable[[dict], FamilyConfig] | None = None,
-             weight_map: Callable[[FamilyConfig], WeightMap] | None = None) -> Family:
+def register(cls: type[nn.Module], *, hf_types: tuple[str, ...],
+             from_hf: Callable[..., nn.Module],
+             read_config: Callable[[dict], Any] | None = None,
+             weight_map: Callable[[Any], Any] | None = None) -> Family:
     """Record ``cls`` under its family name and ``hf_types``; TypeError where the class
     lacks a piece of the model interface or a name is another class's already."""
     where = f"{cls.__module__}.{cls.__qualname__}"

@@ -23,7 +23,7 @@ import math
 import time
 from typing import Any
 
-from headlab.data import Blocks
+from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.recovery.bias import BiasCompensation

@@ -18,7 +18,7 @@ do. AdamW without weight decay (decay would move weights the loss does not touch
 such as those of a masked head), the model in eval mode (no dropout: a resumed run
 repeats the uninterrupted one bit for bit), batches in an order fixed by ``seed``.
 
-On a model sharded by FSDP2 (`headlab.sharding`) every rank runs every step in
+On a model sharded by FSDP2 (`headlab.parallel.sharding`) every rank runs every step in
 lockstep, teacher sharded too: each computes the same loss, FSDP averages the equal
 gradients over the ranks, and AdamW, element by element, updates each rank's rows
 (DTensors) as one process would update the whole. The checkpoint, one file per rank,
@@ -35,9 +35,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from headlab._progress import track
-from headlab.checkpoint import Checkpoint
-from headlab.data import Blocks
+from headlab._util.checkpoint import Checkpoint
+from headlab._util.progress import track
+from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.objectives import objective_for
@@ -337,7 +337,7 @@ def _check_resumable(saved: dict, options: dict, data: list[int], trainable: dic
 
 class _LossLabel(str):
     """The progress bar's description, showing the running loss: the bar formats its
-    description each time it draws (`headlab._progress.track` takes it once)."""
+    description each time it draws (`headlab._util.progress.track` takes it once)."""
 
     def __new__(cls, text: str, loss: float) -> _LossLabel:
         label = super().__new__(cls, text)

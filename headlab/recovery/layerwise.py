@@ -51,11 +51,11 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from headlab._progress import track
+from headlab._util.progress import track
 from headlab.attention import MultiHeadAttention
-from headlab.data import Blocks
+from headlab.attention.hooks import hooks
+from headlab.data.blocks import Blocks
 from headlab.errors import UserError
-from headlab.hooks import hooks
 from headlab.models.base import HeadModel
 from headlab.recovery.report import LayerError
 from headlab.recovery.sharded import RowWriter, gathered, is_fsdp, ready

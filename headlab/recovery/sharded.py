@@ -1,4 +1,4 @@
-"""The layer-wise walk on a model sharded by FSDP2 (`headlab.sharding`).
+"""The layer-wise walk on a model sharded by FSDP2 (`headlab.parallel.sharding`).
 
 Every rank runs the walk in lockstep on every batch, so every rank sums the same normal
 equations; what differs is where the weights live. Each block is a ``fully_shard``
@@ -11,7 +11,7 @@ alone, which FSDP's hooks (on the block's own forward) do not gather for. So:
 - `gathered`: block i of each model whole on every rank for the layer's step (one
   ``unshard``, kept across its forwards, ``reshard`` after), so a rank holds at most
   the pruned and the reference block whole at once, the two that the memory guard
-  allows for (`headlab.memory`);
+  allows for (`headlab.parallel.memory`);
 - `RowWriter`: a refitted projection is not replaced, as elsewhere (FSDP's parameter
   group holds the modules it gathers into, and would keep gathering into the old one),
   but written into the rows each rank holds, rank 0's solution scattered to all

@@ -18,7 +18,7 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
-from headlab._io import atomic_write_text
+from headlab._util.io import atomic_write_text
 from headlab.errors import UserError
 from headlab.results import RunResult
 

@@ -1,0 +1,196 @@
+"""What every `headlab` command shares: the typer app, logging set-up, and the guard
+that turns the errors a user can act on into one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from headlab.runs.config import RunConfig
+
+if TYPE_CHECKING:
+    from headlab.results import RunResult
+
+app = typer.Typer(
+    name="headlab",
+    help="See, score and prune the attention heads of transformer models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def setup(quiet: bool, json_mode: bool) -> None:
+    import os
+    import signal
+
+    from headlab._util import progress as _progress
+
+    # SIGTERM (a scheduler stopping the job) ends a run like Ctrl-C: status interrupted,
+    # checkpoint saved, resumable. Both also stop every progress loop (see request_stop).
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    other_rank = int(os.environ.get("RANK", "0")) > 0  # torchrun: rank 0 alone prints
+    quiet = quiet or other_rank
+    level = logging.WARNING if quiet or json_mode else logging.INFO
+    level = logging.ERROR if other_rank else level
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"
+                                           if level > logging.INFO else "%(message)s"))
+    root = logging.getLogger("headlab")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+    _progress.set_enabled(not quiet and not json_mode and sys.stderr.isatty())
+    for noisy in ("transformers", "datasets", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _interrupt(signum, frame) -> None:
+    from headlab._util import progress as _progress
+
+    _progress.request_stop()
+    raise KeyboardInterrupt
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def guard(fn, *args, **kwargs):
+    """Run fn, turning the errors a user can act on into one line and exit code 2:
+    headlab's own (`headlab.errors`), non-finite numbers from broken weights, and the
+    file system's (full, read-only, missing), named by path. Others are bugs: they
+    keep their traceback."""
+    from headlab.errors import UserError
+
+    try:
+        return fn(*args, **kwargs)
+    except (UserError, FloatingPointError) as exc:
+        _fail(one_line(exc))
+    except OSError as exc:
+        if exc.filename is not None and exc.strerror:
+            _fail(f"{exc.filename}: {exc.strerror}")
+        _fail(one_line(exc))
+    except KeyboardInterrupt as exc:
+        run_dir = getattr(exc, "run_dir", None)  # set once the run directory exists
+        if run_dir is None:
+            typer.echo("interrupted before the run directory was made: nothing to resume",
+                       err=True)
+        else:
+            typer.echo(f"interrupted: {run_dir} is marked 'interrupted'; continue it with "
+                       f"--resume {run_dir}", err=True)
+        raise typer.Exit(130) from None
+
+
+def one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+# ---------------------------------------------------------------- runs
+def summary(result: RunResult, out: Path) -> dict:
+    q, lat = result.quality, result.latency_ms
+    return {
+        "run_dir": str(out), "model": result.model, "method": result.method,
+        "metric": q.metric, "quality_before": q.before, "quality_after": q.after,
+        "quality_pruned": q.pruned,
+        "recovery": result.recovery.method if result.recovery else None,
+        "heads_total": result.heads_total, "heads_kept": result.heads_kept,
+        "params_before": result.params.before, "params_after": result.params.after,
+        "latency_ms_before": lat.before if lat else None,
+        "latency_ms_after": lat.after if lat else None,
+        "report": str(out / "report.html"), "results": str(out / "results.json"),
+        "model_dir": str(out / "model") if (out / "model").exists() else None,
+    }
+
+
+def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
+    if json_mode:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    if quiet:
+        typer.echo(summary["report"])
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, int) and v > 10_000:
+            return f"{v:,}"
+        return str(v)
+
+    t = Table(title=f"headlab: {summary['model']} ({summary['method']})", show_header=True)
+    t.add_column("")
+    t.add_column("before", justify="right")
+    t.add_column("after", justify="right")
+    t.add_row(f"held-out {summary['metric']}", fmt(summary["quality_before"]),
+              fmt(summary["quality_after"]))
+    if summary["recovery"]:
+        t.add_row(f"  pruned, before {summary['recovery']}", "", fmt(summary["quality_pruned"]))
+    t.add_row("heads", fmt(summary["heads_total"]), fmt(summary["heads_kept"]))
+    t.add_row("parameters", fmt(summary["params_before"]), fmt(summary["params_after"]))
+    t.add_row("latency (ms)", fmt(summary["latency_ms_before"]), fmt(summary["latency_ms_after"]))
+    console = Console()
+    console.print(t)
+    console.print(f"report:  {summary['report']}")
+    console.print(f"results: {summary['results']}")
+    if summary["model_dir"]:
+        console.print(f"model:   {summary['model_dir']}")
+
+
+def execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = None) -> None:
+    from headlab.errors import UserError
+    from headlab.parallel import distributed
+    from headlab.runs.pipeline import run
+
+    if resume is None and not config.get("model"):
+        raise UserError("give --model (or --resume RUN_DIR to continue a run)")
+    cfg = None if resume is not None else RunConfig.from_dict(config)
+    out, result = run(cfg, resume=resume)
+    if distributed.is_main():
+        print_summary(summary(result, out), json_mode, quiet)
+
+
+def protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len, eval_protocol,
+                   eval_seq_len) -> dict:
+    """The RunConfig keys of the calibration / evaluation options (headlab.data.protocol)."""
+    return dict(calib_data=calib_data, eval_data=eval_data, calib_samples=calib_samples,
+                calib_seq_len=calib_seq_len, eval_protocol=eval_protocol.value,
+                eval_seq_len=eval_seq_len)
+
+
+def task_keys(tasks, include_path, limit, num_fewshot, needle_lengths) -> dict:
+    """The RunConfig keys of the task options (headlab.evaluate.lm_eval, headlab.evaluate.needle):
+    --tasks a,b -> [a, b]; --needle-lengths 256,512 -> [256, 512]."""
+    from headlab.errors import UserError
+
+    names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+    try:
+        lengths = [int(n) for n in (needle_lengths or "").split(",") if n.strip()]
+    except ValueError:
+        raise UserError(f"--needle-lengths takes token counts like 256,512, got "
+                        f"{needle_lengths!r}") from None
+    return dict(tasks=names, include_path=str(include_path) if include_path else None,
+                limit=limit, num_fewshot=num_fewshot, needle_lengths=lengths)

@@ -1,0 +1,130 @@
+"""The `headlab` command's choices, defaults and shared options.
+
+Choices and defaults come from `headlab.runs.config`, where a run's keys are defined once;
+each option a command shares is declared here once, with its help text.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from headlab.detectors import DECODER_KINDS
+from headlab.runs.config import (
+    DEVICES,
+    DTYPES,
+    METHODS,
+    PROTOCOLS,
+    RECOVER_PARAMS,
+    RECOVERY_METHODS,
+    SCHEDULES,
+    SHARDING,
+    RunConfig,
+)
+from headlab.schedule import UNITS
+from headlab.selection import GROUP_SCORES
+
+Method = StrEnum("Method", [(m, m) for m in METHODS])
+Schedule = StrEnum("Schedule", [(m, m) for m in SCHEDULES])
+Device = StrEnum("Device", [(m, m) for m in DEVICES])
+DType = StrEnum("DType", [(m, m) for m in DTYPES])
+Recovery = StrEnum("Recovery", [(m, m) for m in RECOVERY_METHODS])
+RecoverParams = StrEnum("RecoverParams", [(m, m) for m in RECOVER_PARAMS])
+Sharding = StrEnum("Sharding", [(m, m) for m in SHARDING])
+D = RunConfig.defaults()
+DEFAULT_METHOD, DEFAULT_SCHEDULE = Method(D["method"]), Schedule(D["schedule"])
+DEFAULT_DEVICE, DEFAULT_DTYPE = Device(D["device"]), DType(D["dtype"])
+DEFAULT_RECOVERY, DEFAULT_RECOVER_PARAMS = Recovery(D["recover"]), RecoverParams(
+    D["recover_params"])
+
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Bundled name (smollm2-135m, "
+                                       "minilm-l6), local directory, .gguf file or hub id.")]
+RunModelOpt = Annotated[str | None, typer.Option(
+    "--model", "-m", help="Bundled name (smollm2-135m, minilm-l6), local directory, .gguf "
+    "file or hub id (not needed with --resume).")]
+ResumeOpt = Annotated[Path | None, typer.Option(
+    help="Continue an interrupted run directory with its own configuration.")]
+DataOpt = Annotated[str | None, typer.Option(
+    help="Dataset (name:config:split), .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
+MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
+OutOpt = Annotated[Path | None, typer.Option(
+    help="Run directory (default reports/<model>-<method>-keep<k>-<time>/).")]
+TextColumnOpt = Annotated[str | None, typer.Option(help="Text column of the data.")]
+LabelColumnOpt = Annotated[str | None, typer.Option(help="Label column (classifiers).")]
+MaxTokensOpt = Annotated[int, typer.Option(help="Token budget for scoring + held-out.")]
+SeqLenOpt = Annotated[int | None, typer.Option(
+    help="Block length (default: the objective's, 256 for language models, 128 else, "
+         "capped by the model's positions).")]
+BatchSizeOpt = Annotated[int, typer.Option(help="Blocks per batch.")]
+SeedOpt = Annotated[int, typer.Option(
+    help="Seed of the scoring/held-out split, the masking and random scores.")]
+DeviceOpt = Annotated[Device, typer.Option(help="auto picks CUDA when present.")]
+DTypeOpt = Annotated[DType, typer.Option(help="Model dtype.")]
+ShardOpt = Annotated[Sharding | None, typer.Option(
+    help="fsdp: split the weights across torchrun ranks (FSDP2, one unit per block); every "
+         "rank then sees every batch.")]
+OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing run directory.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary.")]
+NormalizeOpt = Annotated[bool | None, typer.Option(
+    "--normalize/--no-normalize", show_default=False,
+    help="Divide each layer's scores by their l2 norm (Michel et al.); default: on, but off "
+         "for taylor, ablation and random.")]
+MinmaxOpt = Annotated[bool, typer.Option(
+    help="Rescale all scores to [0, 1] (as the bertology script did).")]
+PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
+ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
+
+Unit = StrEnum("Unit", [(m, m) for m in UNITS])
+GroupScore = StrEnum("GroupScore", [(m, m) for m in GROUP_SCORES])
+DEFAULT_UNIT, DEFAULT_GROUP_SCORE = Unit(D["unit"]), GroupScore(D["group_score"])
+UnitOpt = Annotated[Unit, typer.Option(
+    help="What is scored and removed: query heads, or whole GQA groups (a key/value head "
+         "and its query heads), so every removal shrinks the key/value cache.")]
+GroupScoreOpt = Annotated[GroupScore, typer.Option(
+    help="kv-group: a group's score is the sum (or max) of its query heads' scores.")]
+KvKeepOpt = Annotated[float | None, typer.Option(
+    help="Fraction of key/value heads (groups) to keep, in (0, 1]; needs --unit kv-group.")]
+DemoteOpt = Annotated[bool, typer.Option(
+    help="Demote instead of remove: the heads pruning would remove (whole GQA groups) "
+         "attend only to the first --sinks and the last --window positions and keep only "
+         "those in their key/value cache.")]
+SinksOpt = Annotated[int, typer.Option(help="--demote: attention-sink positions kept.")]
+WindowOpt = Annotated[int, typer.Option(help="--demote: recent positions kept (>= 1).")]
+DemoteBy = StrEnum("DemoteBy", [(k, k) for k in DECODER_KINDS])
+DemoteByOpt = Annotated[DemoteBy | None, typer.Option(
+    help="--demote: choose the demoted groups by a head-type detector instead of --method: "
+         "the groups scoring highest (--group-score of their query heads) keep their full "
+         "cache, the rest are demoted; retrieval finds DuoAttention's retrieval heads.")]
+# calibration / evaluation the papers' way (headlab.data.protocol), lm-eval tasks
+# (headlab.evaluate.lm_eval)
+Protocol = StrEnum("Protocol", [(m, m) for m in PROTOCOLS])
+DEFAULT_PROTOCOL = Protocol(D["eval_protocol"])
+CalibDataOpt = Annotated[str | None, typer.Option(
+    help="What scores and what recovery fits on (anything --data takes); default --data.")]
+EvalDataOpt = Annotated[str | None, typer.Option(
+    help="Held-out quality data (anything --data takes); default --data. One source for "
+         "both is split by documents, none in both.")]
+CalibSamplesOpt = Annotated[int | None, typer.Option(
+    help="Calibrate on N seeded random windows (the papers use 128 of 2048 tokens).")]
+CalibSeqLenOpt = Annotated[int | None, typer.Option(
+    help="Tokens per --calib-samples window (default --seq-len).")]
+EvalProtocolOpt = Annotated[Protocol, typer.Option(
+    help="split: blocks of --seq-len; windows: the text joined with blank lines, "
+         "non-overlapping windows of --eval-seq-len, exp of the mean token loss.")]
+EvalSeqLenOpt = Annotated[int | None, typer.Option(
+    help="Window of --eval-protocol windows (default 2048, or the model's limit).")]
+TasksOpt = Annotated[str | None, typer.Option(
+    help="Comma-separated lm-evaluation-harness tasks, and 'needle'; `headlab eval "
+         "--list-tasks` lists the names.")]
+IncludePathOpt = Annotated[Path | None, typer.Option(
+    help="A folder of local lm-eval task YAMLs (runs offline on local jsonl).")]
+LimitOpt = Annotated[int | None, typer.Option(help="lm-eval: at most N examples per task.")]
+NumFewshotOpt = Annotated[int | None, typer.Option(help="lm-eval: few-shot examples.")]
+NeedleLengthsOpt = Annotated[str | None, typer.Option(
+    help="Needle test context lengths in tokens, e.g. 256,512,1024 (default 256 doubling "
+         "up to the model's limit).")]

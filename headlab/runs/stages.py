@@ -1,0 +1,365 @@
+"""The stages of a run on a loaded model and its prepared data: score only, or score,
+prune (or demote), repair and measure; each ends in a `RunResult` and the files of the
+run directory."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import shutil
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headlab import __version__
+from headlab._util.checkpoint import Checkpoint
+from headlab._util.io import atomic_dir, atomic_write_json
+from headlab.analysis.overview import overview
+from headlab.data.blocks import Blocks
+from headlab.data.texts import BUNDLED_SPEC, BUNDLED_WARNING
+from headlab.detectors import detect, kinds_for
+from headlab.errors import UserError
+from headlab.evaluate.cache import KVCacheReport, measure_decode
+from headlab.evaluate.quality import evaluate
+from headlab.importance import PER_TOKEN_METHODS, HeadScores, score
+from headlab.models.base import HeadModel
+from headlab.models.export import export_hf, hf_expressible
+from headlab.objectives import objective_for
+from headlab.parallel import distributed
+from headlab.parallel.sharding import is_sharded, load_sharded, save_sharded
+from headlab.pruning import copy_model, demote, demoted_heads, prune, trial
+from headlab.recovery import recover
+from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
+from headlab.runs.config import RunConfig
+from headlab.runs.inputs import data_separation
+from headlab.schedule import prune_to_target
+from headlab.selection import PrunePlan, kv_groups, select_groups
+
+log = logging.getLogger("headlab")
+
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@torch.inference_mode()
+def compare_latency(before: HeadModel, after: HeadModel, batch: int, seq_len: int,
+                    rounds: int = 7) -> tuple[float, float]:
+    """Median forward times (ms) of two models on the same random tokens (batch,
+    seq_len), timed in alternating rounds after a warm-up of each, so that a slow spell
+    of a shared machine falls on both."""
+    from headlab._util.timing import time_interleaved
+
+    seq_len = min(seq_len, before.max_positions)
+    vocab = before.tokenizer.vocab_size if before.tokenizer is not None else 100
+    ids = torch.randint(0, max(2, min(vocab, 1000)), (batch, seq_len),
+                        generator=torch.Generator().manual_seed(0)).to(before.device)
+    t = time_interleaved({"before": lambda: before(ids), "after": lambda: after(ids)},
+                         repeats=rounds, warmup=1, device=before.device.type)
+    return (1000 * statistics.median(t["before"]), 1000 * statistics.median(t["after"]))
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {"headlab": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+@dataclass
+class Shape:
+    """The size of a model: what a prune run reports before and after."""
+
+    params: int
+    heads: list[int]
+    kv_heads: list[int]
+    kv_bytes: int
+
+    @classmethod
+    def of(cls, model: HeadModel) -> Shape:
+        return cls(model.num_parameters(), model.heads_per_layer, model.kv_heads_per_layer,
+                   model.kv_cache_bytes_per_token())
+
+
+class Stage:
+    """The two kinds of run on a loaded model and its prepared data."""
+
+    checkpoint: Checkpoint
+
+    def __init__(self, cfg: RunConfig, out: Path, model: HeadModel, scoring: Blocks,
+                 heldout: Blocks, seq_len: int) -> None:
+        self.cfg, self.out, self.model = cfg, out, model
+        self.scoring, self.heldout, self.seq_len = scoring, heldout, seq_len
+        self.score_kwargs = {"normalize": cfg.normalize, "global_minmax": cfg.global_minmax,
+                             "per_token": cfg.per_token, "probes": cfg.probes}
+
+    def _result(self, scores: HeadScores, **measured: Any) -> RunResult:
+        """The run's RunResult: what every run records, plus what this one measured."""
+        cfg, model, scoring, heldout = self.cfg, self.model, self.scoring, self.heldout
+        return RunResult(
+            model=cfg.model, method=cfg.method, importance=scores.scores,
+            heads_total=model.n_layers * model.n_original_heads, family=model.family,
+            kind=model.kind, schedule=cfg.schedule if cfg.command == "prune" else None,
+            keep=cfg.keep,
+            data=DataSummary(
+                spec=scoring.spec, scoring_tokens=scoring.n_tokens,
+                heldout_tokens=heldout.n_tokens, scoring_examples=len(scoring),
+                heldout_examples=len(heldout), seq_len=self.seq_len,
+                warning=BUNDLED_WARNING if scoring.spec == BUNDLED_SPEC else None,
+                eval_spec=heldout.spec, eval_protocol=cfg.eval_protocol,
+                eval_seq_len=heldout.input_ids.shape[1] if cfg.eval_protocol == "windows"
+                else None, calib_samples=cfg.calib_samples,
+                calib_seq_len=scoring.input_ids.shape[1] if cfg.calib_samples else None,
+                separation=data_separation(cfg)),
+            importance_normalisation=scores.normalisation,
+            config=cfg.to_dict(), created=now(), versions=versions(), **measured)
+
+    def score_only(self) -> RunResult:
+        cfg, model = self.cfg, self.model
+        scores = score(model, self.scoring, method=cfg.method, batch_size=cfg.batch_size,
+                       seed=cfg.seed, checkpoint=self.checkpoint, **self.score_kwargs)
+        q = evaluate(model, self.heldout, batch_size=cfg.batch_size)
+        shape = Shape.of(model)
+        result = self._result(
+            scores,
+            heads_per_layer=BeforeAfter(shape.heads), kv_heads_per_layer=BeforeAfter(
+                shape.kv_heads),
+            quality=QualityFigures(before=q.value, metric=q.metric,
+                                   higher_is_better=q.higher_is_better, loss_before=q.loss),
+            params=BeforeAfter(shape.params),
+            kv_cache_bytes_per_token=BeforeAfter(shape.kv_bytes))
+        if distributed.is_main() or is_sharded(model):  # sharded: every rank runs it
+            result.sample, result.statistics, result.clusters = self._overview()
+        self._tasks(result, model, None)
+        self._finish(result, scores)
+        return result
+
+    def prune(self, n_keep: int) -> RunResult:
+        cfg, model, main = self.cfg, self.model, distributed.is_main()
+        before = Shape.of(model)
+        curves = {}
+        for method in [m for m in cfg.compare if m != cfg.method]:
+            log.info("comparison curve: %s", method)
+            # the run's options where they apply: per-token gates to michel and fisher only
+            curves[method] = self._schedule(method, n_keep, per_token=(
+                cfg.per_token and method in PER_TOKEN_METHODS)).curve
+        log.info("scoring and pruning with %s (%s)", cfg.method, cfg.schedule)
+        res = self._schedule(cfg.method, n_keep, per_token=cfg.per_token, on_step=lambda p:
+                             log.info("  %.0f%% pruned: quality %.4g",
+                                      100 * p.fraction_pruned, p.quality))
+        curves[cfg.method] = res.curve
+        # the model stays as it came: the reference for timing, overview and repair
+        sharded = is_sharded(model)
+        plan, quality_removed = res.plan, None
+        if cfg.demote:  # the groups the plan would remove keep a sink + window cache
+            plan, quality_removed = self._demotion(res, n_keep)
+            pruned = demote(copy_model(model), plan.as_demotion(), sinks=cfg.sinks,
+                            window=cfg.window)
+        elif sharded:  # written block by block, read back sharded (no copy of the whole);
+            # a model to repair is staged, model/ gets it once repaired
+            staged = self.out / ("model" if cfg.recover == "none" else "model.pruned")
+            pruned = load_sharded(save_sharded(model, staged, res.plan),
+                                  device=str(model.device), dtype=model.dtype)[0]
+        else:
+            pruned = prune(copy_model(model), res.plan)
+        latency = None
+        if main and not sharded:
+            log.info("timing the pruned model against the unpruned one")
+            lat_s = min(cfg.latency_seq_len, self.seq_len)
+            t_before, t_after = compare_latency(model, pruned, cfg.latency_batch, lat_s)
+            latency = Latency(t_before, t_after, batch=cfg.latency_batch, seq_len=lat_s)
+        result_overview = self._overview() if main or sharded else None
+        q_after = q_pruned = evaluate(pruned, self.heldout, batch_size=cfg.batch_size)
+        recovery = None
+        if cfg.demote and cfg.recover != "none":
+            log.info("demoted heads are kept, not removed: no repair (--recover %s skipped)",
+                     cfg.recover)
+        if cfg.recover != "none" and not cfg.demote:
+            log.info("repairing the pruned model with %s", cfg.recover)
+            recovery = recover(pruned, model, self.scoring, method=cfg.recover,
+                               batch_size=cfg.batch_size, **self._recover_options())
+            q_after = evaluate(pruned, self.heldout, batch_size=cfg.batch_size)
+            log.info("  %s: %.4g pruned, %.4g repaired", q_after.metric, q_pruned.value,
+                     q_after.value)
+        after = Shape.of(pruned)
+        if main and not sharded:
+            with atomic_dir(self.out / "model") as staging:  # whole, or not at all
+                pruned.save(staging)
+        elif sharded and recovery is not None:  # the repaired model, block by block
+            save_sharded(pruned, self.out / "model")
+            if main:
+                shutil.rmtree(self.out / "model.pruned")
+        export_note = None
+        if cfg.export == "hf" and main:
+            reason = hf_expressible(pruned)
+            if reason is None:
+                export_hf(pruned, self.out / "model-hf")
+                export_note = "model-hf/"
+            else:
+                export_note = (f"not exported to HF format: {reason}; the headlab format is "
+                               "in model/")
+                log.warning(export_note)
+        q_before = res.curve[0]
+        result = self._result(
+            res.scores, heads_kept=plan.n_kept, kept_heads=plan.kept,
+            heads_per_layer=BeforeAfter(before.heads, after.heads),
+            kv_heads_per_layer=BeforeAfter(before.kv_heads, after.kv_heads),
+            quality=QualityFigures(
+                q_before.quality, q_after.value, metric=q_after.metric,
+                higher_is_better=q_after.higher_is_better, loss_before=q_before.loss,
+                loss_after=q_after.loss,
+                pruned=q_pruned.value if recovery is not None else None,
+                loss_pruned=q_pruned.loss if recovery is not None else None),
+            recovery=recovery,
+            curve=res.curve, curves=curves, params=BeforeAfter(before.params, after.params),
+            latency_ms=latency,
+            kv_cache_bytes_per_token=BeforeAfter(before.kv_bytes, after.kv_bytes),
+            export=export_note)
+        if main:
+            result.kv_cache = self._kv_cache(pruned, quality_removed)
+        if result_overview is not None:
+            result.sample, result.statistics, result.clusters = result_overview
+        self._tasks(result, model, pruned)
+        self._finish(result, res.scores)
+        return result
+
+    def _demotion(self, res, n_keep: int) -> tuple[PrunePlan, float]:
+        """The groups to demote, and the held-out quality with them removed instead: the
+        groups the schedule removed (its last masked point), or with --demote-by the
+        ``n_keep`` groups the detector scores highest keep their full cache and the rest
+        are demoted (a group's score: --group-score of its query heads')."""
+        cfg, model = self.cfg, self.model
+        if cfg.demote_by is None:
+            return res.plan, res.curve[-1].quality
+        log.info("choosing the demoted groups by the %s detector", cfg.demote_by)
+        scores = detect(model, cfg.demote_by, seq_len=min(128, model.max_positions),
+                        seed=cfg.seed)
+        plan = select_groups(scores, kv_groups(model), n_keep, per_layer=cfg.per_layer,
+                             group_score=cfg.group_score)
+        with trial(model, plan):
+            removed = evaluate(model, self.heldout, batch_size=cfg.batch_size)
+        return plan, removed.value
+
+    def _kv_cache(self, pruned: HeadModel, quality_removed: float | None) -> KVCacheReport:
+        """The cache before and after: bytes per token at the evaluation length and the
+        model's maximum, and, for kv-group and demotion runs of a language model,
+        decoding tokens/s at the evaluation length and four times it."""
+        cfg, model = self.cfg, self.model
+        limit = model.max_positions
+        report = KVCacheReport(
+            unit=cfg.unit, group_score=cfg.group_score if cfg.unit == "kv-group" else None,
+            selection=f"{cfg.demote_by} detector" if cfg.demote_by else cfg.method,
+            demoted=demoted_heads(pruned),
+            sinks=cfg.sinks if cfg.demote else None,
+            window=cfg.window if cfg.demote else None,
+            eval_length=self.seq_len, max_length=limit,
+            bytes_per_token_eval=(model.kv_cache_bytes_per_token(self.seq_len),
+                                  pruned.kv_cache_bytes_per_token(self.seq_len)),
+            bytes_per_token_max=(model.kv_cache_bytes_per_token(limit),
+                                 pruned.kv_cache_bytes_per_token(limit)),
+            quality_removed=quality_removed)  # the demoted groups removed instead
+        if (cfg.unit == "kv-group" or cfg.demote) and objective_for(model).generates:
+            log.info("timing decoding steps before and after")
+            contexts = sorted({self.seq_len, min(4 * self.seq_len, limit)})
+            report.decode = measure_decode(model, pruned, contexts=contexts,
+                                           steps=cfg.decode_steps)
+        return report
+
+    def _tasks(self, result: RunResult, before: HeadModel, after: HeadModel | None) -> None:
+        """lm-eval tasks and the needle test (``--tasks``) on the model as it came and
+        on the model you get, into ``result.tasks`` and ``result.needle``."""
+        cfg = self.cfg
+        names = [t for t in cfg.tasks if t != "needle"]
+        tasks, needle = {}, None
+        runs = [("before", before)] + ([("after", after)] if after is not None else [])
+        if names:  # lm-eval is imported only for a run that asks for its tasks
+            from headlab.evaluate.lm_eval import lm_eval_version, run_tasks
+
+            measured = {}
+            for side, m in runs:
+                log.info("lm-eval tasks %s on the model %s pruning", ", ".join(names),
+                         side)
+                measured[side] = run_tasks(m, names, include_path=cfg.include_path,
+                                           limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+                                           batch_size=cfg.batch_size, seed=cfg.seed)
+            tasks = {name: BeforeAfter(measured["before"].get(name),
+                                       measured.get("after", {}).get(name))
+                     for name in measured["before"]}
+        if "needle" in cfg.tasks:
+            from headlab.evaluate.needle import needle_test
+
+            grids = {}
+            for side, m in runs:
+                log.info("needle test on the model %s pruning", side)
+                grids[side] = needle_test(m, lengths=cfg.needle_lengths or None,
+                                          filler=cfg.eval_data, seed=cfg.seed,
+                                          batch_size=cfg.batch_size)
+            needle = BeforeAfter(grids["before"], grids.get("after"))
+        if names:
+            result.versions["lm_eval"] = lm_eval_version()
+        result.tasks, result.needle = tasks, needle
+
+    def _schedule(self, method: str, n_keep: int, *, per_token: bool, on_step=None):
+        cfg = self.cfg
+        return prune_to_target(
+            self.model, self.scoring, self.heldout, method=method, n_keep=n_keep,
+            schedule=cfg.schedule, step=cfg.step, per_layer=cfg.per_layer,
+            min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
+            seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
+            checkpoint=self.checkpoint, on_step=on_step, unit=cfg.unit,
+            group_score=cfg.group_score,
+            **({"recover": cfg.recover, "recover_kwargs": self._recover_options()}
+               if cfg.recover_every_step else {}))
+
+    def _recover_options(self) -> dict[str, Any]:
+        """The options the run's recovery method takes: the ridge for the least-squares
+        fits (and distill's lsq start), the training settings for distill, which is
+        checkpointed with the run."""
+        cfg = self.cfg
+        options: dict[str, Any] = {}
+        if cfg.recover in ("lsq", "rescale", "distill") and cfg.recover_ridge is not None:
+            options["ridge"] = cfg.recover_ridge
+        if cfg.recover == "distill":
+            options.update(tokens=cfg.recover_tokens, params=cfg.recover_params,
+                           lr=cfg.recover_lr, temperature=cfg.recover_temperature,
+                           seed=cfg.seed, checkpoint=self.checkpoint)
+        return options
+
+    def _overview(self):
+        """The unpruned model's sample, statistics and clusters, for the report."""
+        log.info("analysing heads on a held-out sample")
+        return overview(self.model, self.heldout, sample_tokens=self.cfg.sample_tokens,
+                        seed=self.cfg.seed)
+
+    def _head_types(self) -> dict[str, list[list[float]]]:
+        """The unpruned model's detector scores by kind, for the report's head types."""
+        log.info("detecting head types")
+        found = {}
+        for kind in kinds_for(self.model):
+            try:
+                found[kind] = detect(self.model, kind, n=8, seq_len=min(64, self.seq_len),
+                                     seed=self.cfg.seed).scores
+            except (UserError, ValueError) as exc:  # e.g. prompts longer than the positions
+                log.warning("head type %s not detected: %s", kind, exc)
+        return found
+
+    def _finish(self, result: RunResult, scores: HeadScores) -> None:
+        from headlab.report import build_report
+
+        if distributed.is_main() or is_sharded(self.model):  # sharded: every rank's forward
+            result.head_types = self._head_types()
+        if not distributed.is_main():
+            return
+        out = self.out
+        scores.save_csv(out / "importance.csv")
+        result.files = {"results": "results.json", "importance_csv": "importance.csv",
+                        "config": "config.json"}
+        if (out / "model").exists():
+            result.files["model"] = "model/"
+        result.status = "complete"
+        atomic_write_json(out / "results.json", result.to_json())
+        build_report(result, out / "report.html")
