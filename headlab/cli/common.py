@@ -173,14 +173,6 @@ def execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = No
         print_summary(summary(result, out), json_mode, quiet)
 
 
-def protocol_keys(calib_data, eval_data, calib_samples, calib_seq_len, eval_protocol,
-                   eval_seq_len) -> dict:
-    """The RunConfig keys of the calibration / evaluation options (headlab.data.protocol)."""
-    return dict(calib_data=calib_data, eval_data=eval_data, calib_samples=calib_samples,
-                calib_seq_len=calib_seq_len, eval_protocol=eval_protocol.value,
-                eval_seq_len=eval_seq_len)
-
-
 def task_keys(tasks, include_path, limit, num_fewshot, needle_lengths) -> dict:
     """The RunConfig keys of the task options (headlab.evaluate.lm_eval, headlab.evaluate.needle):
     --tasks a,b -> [a, b]; --needle-lengths 256,512 -> [256, 512]."""

@@ -1,14 +1,19 @@
-"""The `headlab` command's choices, defaults and shared options.
+"""The `headlab` command's choices, defaults and options.
 
 Choices and defaults come from `headlab.runs.config`, where a run's keys are defined once;
-each option a command shares is declared here once, with its help text.
+each option is declared here once, with its help text and default, in the groups the run
+commands (`prune`, `score`, `eval`) compose with `takes`.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -128,3 +133,130 @@ NumFewshotOpt = Annotated[int | None, typer.Option(help="lm-eval: few-shot examp
 NeedleLengthsOpt = Annotated[str | None, typer.Option(
     help="Needle test context lengths in tokens, e.g. 256,512,1024 (default 256 doubling "
          "up to the model's limit).")]
+
+
+# ---------------------------------------------------------------- one declaration each
+@dataclass(frozen=True)
+class Opt:
+    """One option: its parameter name, its type with the `typer.Option` (flag, help
+    text), and its default."""
+
+    name: str
+    annotation: Any
+    default: Any = None
+
+
+def takes(*groups: Opt | tuple[Opt, ...]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command ``def cmd(**values)`` the options of ``groups``, in that order:
+    typer reads the parameters from the signature set here and calls it by name."""
+    flat = [o for g in groups for o in (g if isinstance(g, tuple) else (g,))]
+    signature = inspect.Signature([
+        inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.annotation,
+                          default=inspect.Parameter.empty if o.default is ... else o.default)
+        for o in flat])
+
+    def decorate(fn: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(fn)
+        def command(**values: Any) -> None:
+            fn(**values)
+
+        command.__signature__ = signature  # type: ignore[attr-defined]
+        command.__annotations__ = {o.name: o.annotation for o in flat}
+        del command.__wrapped__  # typer reads __signature__, not fn's
+        return command
+
+    return decorate
+
+
+_NOT_KEYS = ("quiet", "json_mode", "resume")  # how to print and where to resume: no run keys
+
+
+def run_keys(command: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The RunConfig keys of a command's option values: choices by value, paths as text,
+    --prune as ``prune``, --compare as a list, the task options parsed."""
+    from headlab.cli.common import task_keys
+
+    keys = {"prune" if k == "prune_n" else k: _plain(v) for k, v in values.items()
+            if k not in _NOT_KEYS}
+    if "compare" in keys:
+        keys["compare"] = keys["compare"] or []
+    keys.update(task_keys(*(values[k] for k in ("tasks", "include_path", "limit",
+                                                "num_fewshot", "needle_lengths"))))
+    return {"command": command, **keys}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+MODEL = Opt("model", RunModelOpt)
+TARGET = (
+    Opt("keep", Annotated[float | None, typer.Option(
+        help="Fraction of heads to keep, in (0, 1].")]),
+    Opt("prune_n", Annotated[int | None, typer.Option("--prune",
+                                                      help="Number of heads to remove.")]))
+METHOD = Opt("method", MethodOpt, DEFAULT_METHOD)
+SCHEDULE = (
+    Opt("schedule", Annotated[Schedule, typer.Option(help="Re-score after each step, or once.")],
+        DEFAULT_SCHEDULE),
+    Opt("step", Annotated[float, typer.Option(help="Fraction of the heads removed per step.")],
+        D["step"]),
+    Opt("per_layer", Annotated[bool, typer.Option(
+        help="Keep the same number in every layer.")], False),
+    Opt("min_heads_per_layer", Annotated[int, typer.Option(
+        help="Protect each layer's best heads.")], D["min_heads_per_layer"]))
+DATA = (
+    Opt("data", DataOpt), Opt("text_column", TextColumnOpt),
+    Opt("label_column", LabelColumnOpt), Opt("max_tokens", MaxTokensOpt, D["max_tokens"]),
+    Opt("seq_len", SeqLenOpt), Opt("batch_size", BatchSizeOpt, D["batch_size"]),
+    Opt("seed", SeedOpt, D["seed"]))
+DEVICE = (Opt("device", DeviceOpt, DEFAULT_DEVICE), Opt("dtype", DTypeOpt, DEFAULT_DTYPE),
+          Opt("shard", ShardOpt))
+RUN_DIR = (Opt("out", OutOpt), Opt("overwrite", OverwriteOpt, False))
+EXPORT = (
+    Opt("export", Annotated[str | None, typer.Option(
+        help="'hf': also write a directory plain transformers loads, where expressible.")]),
+    Opt("compare", Annotated[list[Method] | None, typer.Option(
+        help="More methods to draw a curve for (repeat the option).")]))
+SCORING = (Opt("normalize", NormalizeOpt), Opt("global_minmax", MinmaxOpt, False),
+           Opt("per_token", PerTokenOpt, False), Opt("probes", ProbesOpt, D["probes"]))
+RECOVERY = (
+    Opt("recover", Annotated[Recovery, typer.Option(
+        help="Repair after pruning, on the scoring split: lsq refits each layer's output "
+             "projection, bias folds the removed heads' mean in, rescale scales each kept "
+             "head, distill trains briefly toward the unpruned model (after lsq); none "
+             "compares with Michel et al.")], DEFAULT_RECOVERY),
+    Opt("recover_ridge", Annotated[float | None, typer.Option(
+        help="lsq/rescale: ridge toward the current weights, times mean(diag X^T X).")]),
+    Opt("recover_tokens", Annotated[int | None, typer.Option(
+        help="distill: token budget (default one pass over the scoring split).")]),
+    Opt("recover_params", Annotated[RecoverParams, typer.Option(
+        help="distill: what trains (lora needs peft).")], DEFAULT_RECOVER_PARAMS),
+    Opt("recover_lr", Annotated[float, typer.Option(help="distill: AdamW learning rate.")],
+        D["recover_lr"]),
+    Opt("recover_temperature", Annotated[float, typer.Option(
+        help="distill: KL temperature.")], D["recover_temperature"]))
+KV_CACHE = (
+    Opt("unit", UnitOpt, DEFAULT_UNIT), Opt("group_score", GroupScoreOpt, DEFAULT_GROUP_SCORE),
+    Opt("kv_keep", KvKeepOpt), Opt("demote", DemoteOpt, False),
+    Opt("sinks", SinksOpt, D["sinks"]), Opt("window", WindowOpt, D["window"]),
+    Opt("demote_by", DemoteByOpt))
+PROTOCOL = (
+    Opt("calib_data", CalibDataOpt), Opt("eval_data", EvalDataOpt),
+    Opt("calib_samples", CalibSamplesOpt), Opt("calib_seq_len", CalibSeqLenOpt),
+    Opt("eval_protocol", EvalProtocolOpt, DEFAULT_PROTOCOL),
+    Opt("eval_seq_len", EvalSeqLenOpt))
+TASKS = (Opt("tasks", TasksOpt), Opt("include_path", IncludePathOpt),
+         Opt("limit", LimitOpt), Opt("num_fewshot", NumFewshotOpt))
+NEEDLE_LENGTHS = Opt("needle_lengths", NeedleLengthsOpt)
+RECOVER_EVERY_STEP = Opt("recover_every_step", Annotated[bool, typer.Option(
+    help="Repair after each step too (bias, lsq, rescale), before re-scoring; the "
+         "curve shows the repaired quality.")], False)
+PRINT = (Opt("quiet", QuietOpt, False), Opt("json_mode", JsonOpt, False))
+RESUME = Opt("resume", ResumeOpt)

@@ -23,6 +23,7 @@ from headlab.results import RunResult
 from headlab.runs.config import RunConfig, resolve_device
 from headlab.runs.inputs import build_data, load_model
 from headlab.runs.lock import RunLock, remove_stale_temps
+from headlab.runs.placement import Placement
 from headlab.runs.preflight import check_run
 from headlab.runs.stages import Stage, now
 from headlab.selection import heads_to_keep, kv_groups
@@ -56,9 +57,9 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
         cfg = resume_config(resume)
     cfg = cfg.validated()
     distributed.init_from_env(resolve_device(cfg.device))
-    main = distributed.is_main()
+    writes = Placement.here().writes  # rank 0 alone: the directory, its status and lock
     out = resume or (Path(cfg.out) if cfg.out else default_out(cfg))
-    if main:
+    if writes:
         check_run(cfg, out, resume=resume is not None)  # before the model loads
     if resume is None and out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise UserError(f"run directory {out} already exists; pass --overwrite or another --out")
@@ -73,7 +74,7 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
         check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path)
     scoring, heldout, seq_len = build_data(cfg, model)
     lock = None
-    if main:
+    if writes:
         out.mkdir(parents=True, exist_ok=True)
         lock = _claim(out, cfg, resumed=resume is not None)
         if resume is None:
@@ -81,24 +82,24 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
                 stale.unlink()
         atomic_write_json(out / "config.json", cfg.to_dict())
         set_status(out, "running")
-    stage = Stage(cfg, out, model, scoring, heldout, seq_len)
+    stage = Stage(cfg, out, model, scoring, heldout, seq_len, Placement.here(model))
     try:
         distributed.barrier()
         stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every)
         result = stage.prune(n_keep) if n_keep is not None else stage.score_only()
     except KeyboardInterrupt as exc:
-        if main:
+        if writes:
             set_status(out, "interrupted", resume=f"headlab {cfg.command} --resume {out}")
             lock.release()
         exc.run_dir = out  # the CLI names it: the directory exists from here on
         raise
     except BaseException as exc:
-        if main:
+        if writes:
             set_status(out, "failed", error=f"{type(exc).__name__}: {exc}")
             lock.release()
         raise
     stage.checkpoint.clear()
-    if main:
+    if writes:
         set_status(out, "complete")
         lock.release()
     distributed.barrier()  # no rank leaves (and tears down the group) while rank 0 writes

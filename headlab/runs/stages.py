@@ -10,7 +10,7 @@ import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,15 +28,18 @@ from headlab.importance import PER_TOKEN_METHODS, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
 from headlab.objectives import objective_for
-from headlab.parallel import distributed
-from headlab.parallel.sharding import is_sharded, load_sharded, save_sharded
+from headlab.parallel.sharding import load_sharded, save_sharded
 from headlab.pruning import copy_model, demote, demoted_heads, prune, trial
 from headlab.recovery import recover
 from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
 from headlab.runs.config import RunConfig
 from headlab.runs.inputs import data_separation
+from headlab.runs.placement import Placement
 from headlab.schedule import prune_to_target
 from headlab.selection import PrunePlan, kv_groups, select_groups
+
+if TYPE_CHECKING:
+    from headlab.evaluate.needle import NeedleResult
 
 log = logging.getLogger("headlab")
 
@@ -70,6 +73,24 @@ def versions() -> dict[str, str]:
             "transformers": transformers.__version__}
 
 
+def task_metrics(cfg: RunConfig, model: HeadModel) -> dict[str, dict[str, Any]]:
+    """The lm-eval metrics of ``model`` on the run's tasks (``--tasks``, less the needle).
+    lm-eval is imported only for a run that asks for its tasks."""
+    from headlab.evaluate.lm_eval import run_tasks
+
+    return run_tasks(model, [t for t in cfg.tasks if t != "needle"],
+                     include_path=cfg.include_path, limit=cfg.limit,
+                     num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size, seed=cfg.seed)
+
+
+def needle_grid(cfg: RunConfig, model: HeadModel) -> NeedleResult:
+    """The needle test of ``model`` at the run's lengths, on its evaluation data."""
+    from headlab.evaluate.needle import needle_test
+
+    return needle_test(model, lengths=cfg.needle_lengths or None, filler=cfg.eval_data,
+                       seed=cfg.seed, batch_size=cfg.batch_size)
+
+
 @dataclass
 class Shape:
     """The size of a model: what a prune run reports before and after."""
@@ -91,8 +112,9 @@ class Stage:
     checkpoint: Checkpoint
 
     def __init__(self, cfg: RunConfig, out: Path, model: HeadModel, scoring: Blocks,
-                 heldout: Blocks, seq_len: int) -> None:
+                 heldout: Blocks, seq_len: int, placement: Placement | None = None) -> None:
         self.cfg, self.out, self.model = cfg, out, model
+        self.place = placement or Placement.here(model)
         self.scoring, self.heldout, self.seq_len = scoring, heldout, seq_len
         self.score_kwargs = {"normalize": cfg.normalize, "global_minmax": cfg.global_minmax,
                              "per_token": cfg.per_token, "probes": cfg.probes}
@@ -132,14 +154,14 @@ class Stage:
                                    higher_is_better=q.higher_is_better, loss_before=q.loss),
             params=BeforeAfter(shape.params),
             kv_cache_bytes_per_token=BeforeAfter(shape.kv_bytes))
-        if distributed.is_main() or is_sharded(model):  # sharded: every rank runs it
+        if self.place.analyses:
             result.sample, result.statistics, result.clusters = self._overview()
         self._tasks(result, model, None)
         self._finish(result, scores)
         return result
 
     def prune(self, n_keep: int) -> RunResult:
-        cfg, model, main = self.cfg, self.model, distributed.is_main()
+        cfg, model, place = self.cfg, self.model, self.place
         before = Shape.of(model)
         curves = {}
         for method in [m for m in cfg.compare if m != cfg.method]:
@@ -153,26 +175,15 @@ class Stage:
                                       100 * p.fraction_pruned, p.quality))
         curves[cfg.method] = res.curve
         # the model stays as it came: the reference for timing, overview and repair
-        sharded = is_sharded(model)
         plan, quality_removed = res.plan, None
         if cfg.demote:  # the groups the plan would remove keep a sink + window cache
             plan, quality_removed = self._demotion(res, n_keep)
             pruned = demote(copy_model(model), plan.as_demotion(), sinks=cfg.sinks,
                             window=cfg.window)
-        elif sharded:  # written block by block, read back sharded (no copy of the whole);
-            # a model to repair is staged, model/ gets it once repaired
-            staged = self.out / ("model" if cfg.recover == "none" else "model.pruned")
-            pruned = load_sharded(save_sharded(model, staged, res.plan),
-                                  device=str(model.device), dtype=model.dtype)[0]
         else:
-            pruned = prune(copy_model(model), res.plan)
-        latency = None
-        if main and not sharded:
-            log.info("timing the pruned model against the unpruned one")
-            lat_s = min(cfg.latency_seq_len, self.seq_len)
-            t_before, t_after = compare_latency(model, pruned, cfg.latency_batch, lat_s)
-            latency = Latency(t_before, t_after, batch=cfg.latency_batch, seq_len=lat_s)
-        result_overview = self._overview() if main or sharded else None
+            pruned = self._pruned(res.plan)
+        latency = self._latency(pruned) if place.holds_whole else None
+        result_overview = self._overview() if place.analyses else None
         q_after = q_pruned = evaluate(pruned, self.heldout, batch_size=cfg.batch_size)
         recovery = None
         if cfg.demote and cfg.recover != "none":
@@ -186,23 +197,8 @@ class Stage:
             log.info("  %s: %.4g pruned, %.4g repaired", q_after.metric, q_pruned.value,
                      q_after.value)
         after = Shape.of(pruned)
-        if main and not sharded:
-            with atomic_dir(self.out / "model") as staging:  # whole, or not at all
-                pruned.save(staging)
-        elif sharded and recovery is not None:  # the repaired model, block by block
-            save_sharded(pruned, self.out / "model")
-            if main:
-                shutil.rmtree(self.out / "model.pruned")
-        export_note = None
-        if cfg.export == "hf" and main:
-            reason = hf_expressible(pruned)
-            if reason is None:
-                export_hf(pruned, self.out / "model-hf")
-                export_note = "model-hf/"
-            else:
-                export_note = (f"not exported to HF format: {reason}; the headlab format is "
-                               "in model/")
-                log.warning(export_note)
+        self._save(pruned, repaired=recovery is not None)
+        export_note = self._export(pruned) if cfg.export == "hf" and place.writes else None
         q_before = res.curve[0]
         result = self._result(
             res.scores, heads_kept=plan.n_kept, kept_heads=plan.kept,
@@ -219,13 +215,52 @@ class Stage:
             latency_ms=latency,
             kv_cache_bytes_per_token=BeforeAfter(before.kv_bytes, after.kv_bytes),
             export=export_note)
-        if main:
+        if place.writes:
             result.kv_cache = self._kv_cache(pruned, quality_removed)
         if result_overview is not None:
             result.sample, result.statistics, result.clusters = result_overview
         self._tasks(result, model, pruned)
         self._finish(result, res.scores)
         return result
+
+    def _pruned(self, plan: PrunePlan) -> HeadModel:
+        """A pruned copy of the model; the model stays as it came."""
+        if not self.place.sharded:
+            return prune(copy_model(self.model), plan)
+        # sharded: written block by block, read back sharded (no copy of the whole); a
+        # model to repair is staged, model/ gets it once repaired
+        staged = self.out / ("model" if self.cfg.recover == "none" else "model.pruned")
+        return load_sharded(save_sharded(self.model, staged, plan),
+                            device=str(self.model.device), dtype=self.model.dtype)[0]
+
+    def _latency(self, pruned: HeadModel) -> Latency:
+        cfg = self.cfg
+        log.info("timing the pruned model against the unpruned one")
+        lat_s = min(cfg.latency_seq_len, self.seq_len)
+        t_before, t_after = compare_latency(self.model, pruned, cfg.latency_batch, lat_s)
+        return Latency(t_before, t_after, batch=cfg.latency_batch, seq_len=lat_s)
+
+    def _save(self, pruned: HeadModel, *, repaired: bool) -> None:
+        """model/: whole on rank 0, or block by block by every shard once repaired (an
+        unrepaired sharded model was written there by `_pruned`)."""
+        if self.place.holds_whole:
+            with atomic_dir(self.out / "model") as staging:  # whole, or not at all
+                pruned.save(staging)
+        elif self.place.sharded and repaired:
+            save_sharded(pruned, self.out / "model")
+            if self.place.writes:
+                shutil.rmtree(self.out / "model.pruned")
+
+    def _export(self, pruned: HeadModel) -> str:
+        """model-hf/, where plain transformers can express the pruned model; the note
+        for results.json either way."""
+        reason = hf_expressible(pruned)
+        if reason is None:
+            export_hf(pruned, self.out / "model-hf")
+            return "model-hf/"
+        note = f"not exported to HF format: {reason}; the headlab format is in model/"
+        log.warning(note)
+        return note
 
     def _demotion(self, res, n_keep: int) -> tuple[PrunePlan, float]:
         """The groups to demote, and the held-out quality with them removed instead: the
@@ -276,30 +311,24 @@ class Stage:
         names = [t for t in cfg.tasks if t != "needle"]
         tasks, needle = {}, None
         runs = [("before", before)] + ([("after", after)] if after is not None else [])
-        if names:  # lm-eval is imported only for a run that asks for its tasks
-            from headlab.evaluate.lm_eval import lm_eval_version, run_tasks
-
+        if names:
             measured = {}
             for side, m in runs:
                 log.info("lm-eval tasks %s on the model %s pruning", ", ".join(names),
                          side)
-                measured[side] = run_tasks(m, names, include_path=cfg.include_path,
-                                           limit=cfg.limit, num_fewshot=cfg.num_fewshot,
-                                           batch_size=cfg.batch_size, seed=cfg.seed)
+                measured[side] = task_metrics(cfg, m)
             tasks = {name: BeforeAfter(measured["before"].get(name),
                                        measured.get("after", {}).get(name))
                      for name in measured["before"]}
         if "needle" in cfg.tasks:
-            from headlab.evaluate.needle import needle_test
-
             grids = {}
             for side, m in runs:
                 log.info("needle test on the model %s pruning", side)
-                grids[side] = needle_test(m, lengths=cfg.needle_lengths or None,
-                                          filler=cfg.eval_data, seed=cfg.seed,
-                                          batch_size=cfg.batch_size)
+                grids[side] = needle_grid(cfg, m)
             needle = BeforeAfter(grids["before"], grids.get("after"))
         if names:
+            from headlab.evaluate.lm_eval import lm_eval_version
+
             result.versions["lm_eval"] = lm_eval_version()
         result.tasks, result.needle = tasks, needle
 
@@ -350,9 +379,9 @@ class Stage:
     def _finish(self, result: RunResult, scores: HeadScores) -> None:
         from headlab.report import build_report
 
-        if distributed.is_main() or is_sharded(self.model):  # sharded: every rank's forward
+        if self.place.analyses:
             result.head_types = self._head_types()
-        if not distributed.is_main():
+        if not self.place.writes:
             return
         out = self.out
         scores.save_csv(out / "importance.csv")
