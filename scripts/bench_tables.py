@@ -16,6 +16,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from generated_block import update  # noqa: E402
+
 MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
 
 
@@ -88,23 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     page = Path(args.page)
     jsons = [Path(p) for p in args.jsons] or sorted((ROOT / "reports" / "bench").glob("*.json"))
-    text = page.read_text()
-    try:
-        old = current_block(text)
-    except ValueError:
-        print(f"{page} lacks the markers {MARKERS[0]} and {MARKERS[1]}: add them where the "
-              "tables belong", file=sys.stderr)
-        return 2
-    new = render(jsons)
-    if args.check:
-        if old != new:
-            print(f"{page}: the benchmark tables are stale; run python scripts/bench_tables.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    page.write_text(text.replace(old, new))
-    return 0
-
+    return update(page, current_block, render(jsons), check=args.check,
+                  what="benchmark tables", markers=f"{MARKERS[0]} and {MARKERS[1]}",
+                  script="scripts/bench_tables.py")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
 
 from _families import capability_table, readme_table  # noqa: E402
+from generated_block import update  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,24 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if the table is stale")
     args = parser.parse_args(argv)
-    path = Path(args.readme)
-    text = path.read_text()
-    try:
-        old = readme_table(text)
-    except ValueError:
-        print(f"{path} lacks the markers <!-- capabilities:start --> and "
-              "<!-- capabilities:end -->: add them where the table belongs", file=sys.stderr)
-        return 2
-    new = capability_table()
-    if args.check:
-        if old != new:
-            print(f"{path}: the capability table is stale; run python "
-                  "scripts/capability_table.py", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(text.replace(old, new))
-    return 0
-
+    return update(Path(args.readme), readme_table, capability_table(), check=args.check,
+                  what="capability table",
+                  markers="<!-- capabilities:start --> and <!-- capabilities:end -->",
+                  script="scripts/capability_table.py")
 
 if __name__ == "__main__":
     sys.exit(main())
