@@ -29,6 +29,7 @@ from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.evaluate.quality import evaluate
 from headlab.models import bert, gpt2, llama
+from headlab.models.base import Absent
 from headlab.models.export import export_hf
 from headlab.pruning import copy_model, prune
 from headlab.recovery import (
@@ -504,10 +505,11 @@ def test_a_family_without_a_down_projection_is_said_not_skipped(caplog):
     warning and a note in the report (and its JSON), never a silent half repair."""
     reference, blocks = _llama(), _blocks()
     model = _pruned(reference, LLAMA_PLAN)
-    model.mlp_down = None
+    model.mlp_down = Absent("its MLP is fused into one projection")  # as a family declares
     with caplog.at_level("WARNING", logger="headlab.recovery"):
         report = recover(model, reference, blocks, method="lsq")
     assert len(report.notes) == 1 and "refitted W_O alone" in report.notes[0]
+    assert "its MLP is fused into one projection" in report.notes[0]
     assert report.notes[0] in caplog.text
     assert RecoveryReport.from_json(report.to_json()).notes == report.notes
     assert all(e.mlp_error_before is None for e in report.layers)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from headlab.models.base import Absent
 from headlab.models.decoder import (
     PROJECTIONS,
     SINGLE,
@@ -101,9 +102,11 @@ class Llama(Decoder):
     weight_map = staticmethod(weight_map)
 
     @property
-    def hf_attention_bias_key(self) -> str | None:  # type: ignore[override]
+    def hf_attention_bias_key(self) -> str | Absent:  # type: ignore[override]
         """HF Llama's switch for all four attention biases; HF Mistral has none."""
-        return None if self.config.hf_config.get("model_type") == "mistral" else "attention_bias"
+        if self.config.hf_config.get("model_type") == "mistral":
+            return Absent("HF Mistral's attention has no biases, nor a key to add them")
+        return "attention_bias"
 
     @classmethod
     def upgrade(cls, meta: dict[str, Any], state: dict[str, Any]

@@ -90,10 +90,11 @@ def recover(
 
     start = time.perf_counter()
     lsq = method == "lsq"
-    refit_mlp = lsq and pruned.mlp_down is not None
+    refit_mlp = lsq and bool(pruned.mlp_down)  # Absent(why) is falsy
     notes = []
     if lsq and not refit_mlp:
-        notes.append(f"{pruned.family} names no MLP down projection (mlp_down is None): "
+        why = getattr(pruned.mlp_down, "reason", "none is declared")
+        notes.append(f"{pruned.family} names no MLP down projection ({why}): "
                      "lsq refitted W_O alone")
         log.warning(notes[-1])
     layers = repair(pruned, reference, blocks, make_fit=_make_fit(method, ridge),

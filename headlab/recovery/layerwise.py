@@ -129,9 +129,9 @@ def repair(pruned: HeadModel, reference: HeadModel, blocks: Blocks, *, make_fit:
     ``make_down`` needs a family that names its MLP's down projection
     (`HeadModel.mlp_down`)."""
     check_pair(pruned, reference)
-    if make_down is not None and pruned.mlp_down is None:
+    if make_down is not None and not pruned.mlp_down:  # None or Absent(why)
         raise ValueError(f"{pruned.family} names no MLP down projection to refit "
-                         "(mlp_down is None): call repair without make_down")
+                         f"({pruned.mlp_down!r}): call repair without make_down")
     modes = (pruned.training, reference.training)
     pruned.eval()
     reference.eval()
@@ -333,7 +333,7 @@ def refitted(model: HeadModel) -> list[tuple[nn.Module, str, nn.Module]]:
     """(owner, name, module) of every projection a walk may replace: each W_O and, where
     the family names it, each MLP down projection. Setting them back undoes a walk."""
     found = [(a, "o_proj", a.o_proj) for a in model.attentions]
-    if model.mlp_down is not None:
+    if model.mlp_down:  # None or Absent(why): no down projection to replace
         for i in range(model.n_layers):
             owner, name = _down_owner(model, i)
             found.append((owner, name, getattr(owner, name)))
