@@ -7,6 +7,7 @@ the model's limit), scored as exp of the mean token loss (wanda ``lib/eval.py``)
 
     calibration_windows   N seeded random windows of L tokens from a source
     evaluation_windows    the "windows" protocol: one joined text, non-overlapping windows
+    document_windows      a corpus of documents (enwiki) read the windows' way, for both sets
     split_documents       one source for both: its documents split, none in both
 
 Shape notation: N windows, L window length.
@@ -103,20 +104,40 @@ def calibration_windows(data: TextData, tokenizer, *, n_samples: int, seq_len: i
 
 
 def evaluation_windows(data: TextData, tokenizer, *, seq_len: int,
-                       max_windows: int | None = None) -> Blocks:
+                       max_windows: int | None = None, seed: int | None = None) -> Blocks:
     """The papers' perplexity protocol: the documents joined with "\\n\\n", tokenised
     once (special tokens as the tokenizer adds them, as wanda does), cut into
     non-overlapping windows of ``seq_len``; a partial last window is left out. At most
-    ``max_windows``, the first ones."""
+    ``max_windows``: the first ones, or with ``seed`` a seeded sample of them, in order."""
     ids = tokenizer("\n\n".join(_documents(data)))["input_ids"]
     n = len(ids) // seq_len
-    if max_windows is not None:
-        n = min(n, max_windows)
     if n == 0:
         raise DataError(f"{data.spec}: {len(ids)} tokens do not fill one evaluation window "
-                        f"of {seq_len}; give more text or a smaller --eval-seq-len")
+                        f"of {seq_len}; give more text or a smaller --eval-seq-len (--seq-len "
+                        "for a corpus of documents)")
     windows = torch.tensor(ids[: n * seq_len]).view(n, seq_len)  # (N, L)
+    if max_windows is not None and max_windows < n:
+        if seed is None:
+            windows = windows[:max_windows]
+        else:
+            gen = torch.Generator().manual_seed(seed)
+            windows = windows[torch.randperm(n, generator=gen)[:max_windows].sort().values]
     return Blocks(windows, torch.ones_like(windows), None, data.spec)
+
+
+def document_windows(data: TextData, tokenizer, *, seq_len: int, max_tokens: int,
+                     seed: int, what: str) -> Blocks:
+    """A corpus of documents read the papers' way, for calibration or evaluation alike:
+    `evaluation_windows` of ``seq_len``, a seeded sample of ``max_tokens // seq_len`` of
+    them spread over all the documents. Asking for more tokens than the documents hold
+    is an error that says how many they hold."""
+    blocks = evaluation_windows(data, tokenizer, seq_len=seq_len, seed=seed,
+                                max_windows=max(1, max_tokens // seq_len))
+    if blocks.n_tokens < max_tokens - seq_len + 1:  # short by more than the partial window
+        raise DataError(f"{data.spec}: the {what} documents hold {blocks.n_tokens} tokens in "
+                        f"windows of {seq_len}; --max-tokens {max_tokens} asks for more: give "
+                        f"at most {blocks.n_tokens}")
+    return blocks
 
 
 @dataclass
@@ -134,9 +155,17 @@ class Settings:
     eval_seq_len: int = PAPER_SEQ_LEN
 
 
-def describe(*, same_source: bool, heldout: float, seed: int) -> str:
-    """How the calibration and evaluation sets are kept apart, for results.json."""
+def describe(*, same_source: bool, heldout: float, seed: int,
+             documents: TextData | None = None) -> str:
+    """How the calibration and evaluation sets are kept apart, for results.json;
+    ``documents``, the one source's documents where they are at hand, to count them."""
     if same_source:
+        counts = ""
+        if documents is not None:
+            calib, held = split_documents(documents, heldout=heldout, seed=seed)
+            counts = (f" ({len(calib.texts)} for calibration, {len(held.texts)} for "
+                      "evaluation)")
         return (f"one source: its documents split by seed {seed}, a fraction {heldout:g} "
-                "for evaluation and the rest for calibration; no document is in both")
+                f"for evaluation and the rest for calibration{counts}; no document is in "
+                "both")
     return "two sources named apart (--calib-data, --eval-data); their overlap is not checked"

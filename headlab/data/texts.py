@@ -3,6 +3,8 @@ read into `TextData` (texts, sentence pairs, labels).
 
 ``--data`` accepts:
     nothing                         the bundled English text (small: a warning says so)
+    enwiki                          English Wikipedia articles (`headlab.data.enwiki`),
+                                    split by article into calibration and evaluation
     path.txt                        prose: paragraphs separated by blank lines
     path.jsonl / .csv / .tsv        rows; the text column(s) and label column inferred
     name:config:split               a Hugging Face dataset, e.g. wikitext:wikitext-2-raw-v1:test
@@ -18,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from headlab._util.filecheck import check_dataset_spec, check_rows_file, read_text
+from headlab.data import enwiki
 from headlab.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -25,8 +28,8 @@ log = logging.getLogger(__name__)
 
 BUNDLED_SPEC = "bundled:english"
 BUNDLED_WARNING = ("no --data given: using headlab's bundled English text (~15k words), "
-                   "too small for publishable numbers; name a dataset, e.g. "
-                   "--data wikitext:wikitext-2-raw-v1:test")
+                   "too small for publishable numbers; name a corpus, e.g. --data enwiki "
+                   "(Wikipedia articles, offline) or wikitext:wikitext-2-raw-v1:test")
 _TEXT_COLUMNS = ("text", "sentence", "content", "document", "review", "question")
 _PAIR_COLUMNS = (("premise", "hypothesis"), ("sentence1", "sentence2"),
                  ("question", "sentence"), ("question1", "question2"))
@@ -60,6 +63,8 @@ def load_texts(
     if spec is None or spec == BUNDLED_SPEC:
         paragraphs = _paragraphs(bundled_text())
         return TextData(paragraphs, spec=BUNDLED_SPEC, warning=BUNDLED_WARNING, prose=True)
+    if spec == enwiki.SPEC:
+        return TextData([text for _, text in enwiki.articles()], spec=spec, prose=True)
     path = Path(spec)
     suffix = path.suffix.lower()
     if suffix in (".txt", ".jsonl", ".json", ".csv", ".tsv"):
@@ -79,8 +84,8 @@ def load_texts(
         return _from_rows(_hub_rows(spec), spec, text_column, label_column)
     raise DataError(
         f"cannot read data {spec!r}: give a .txt/.jsonl/.csv/.tsv file, a Hugging Face "
-        "dataset as name:config:split (e.g. wikitext:wikitext-2-raw-v1:test), or nothing "
-        "for the bundled text"
+        "dataset as name:config:split (e.g. wikitext:wikitext-2-raw-v1:test), enwiki (the "
+        "Wikipedia sample in gensim), or nothing for the bundled text"
     )
 
 

