@@ -64,6 +64,7 @@ class RunConfig:
     eval_seq_len: int | None = None  # windows protocol: None is 2048 or the model's limit
     tasks: list[str] = field(default_factory=list)  # lm-eval task names, and "needle"
     include_path: str | None = None  # a folder of local lm-eval task YAMLs
+    trust_task_code: bool = False  # let include_path's YAMLs run Python (!function)
     limit: int | None = None  # lm-eval: examples per task
     num_fewshot: int | None = None
     needle_lengths: list[int] = field(default_factory=list)  # empty: 256 up to the limit
@@ -311,6 +312,9 @@ def load_recipe(path: Path, overrides: list[str]) -> dict:
         config = tomllib.loads(path.read_text("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"recipe {path} is not valid TOML: {exc}") from exc
+    if config.get("trust_task_code"):
+        raise UserError(f"recipe {path} sets trust_task_code: a recipe cannot trust its own "
+                        "task code; pass --trust-task-code to `headlab run` to allow it")
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} must look like key=value")

@@ -24,7 +24,12 @@ def evaluate_run(cfg: RunConfig, *, reference: str | None = None) -> dict[str, A
     ``reference``: the unpruned model an embedding model's fidelity is measured against
     (its objective needs one); the held-out data are prepared on it.
     """
-    check_data(cfg)  # before the model loads
+    check_data(cfg)  # before the model loads, as the task names and their code
+    if any(t != "needle" for t in cfg.tasks):
+        from headlab.evaluate.lm_eval import check_tasks
+
+        check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path,
+                    trust_code=cfg.trust_task_code)
     model = load_model(cfg)
     ref = model
     if objective_for(model).needs_reference:

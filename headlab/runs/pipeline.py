@@ -64,14 +64,15 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     if resume is None and out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise UserError(f"run directory {out} already exists; pass --overwrite or another --out")
     out = Path(distributed.broadcast(str(out)))
+    if any(t != "needle" for t in cfg.tasks):  # a bad task fails now, not at the end
+        from headlab.evaluate.lm_eval import check_tasks
+
+        check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path,
+                    trust_code=cfg.trust_task_code)
     model = load_model(cfg)
     n_keep = None
     if cfg.command == "prune":
         n_keep = _target(cfg, model)
-    if any(t != "needle" for t in cfg.tasks):  # a bad task name fails now, not at the end
-        from headlab.evaluate.lm_eval import check_tasks
-
-        check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path)
     scoring, heldout, seq_len = build_data(cfg, model)
     lock = None
     if writes:

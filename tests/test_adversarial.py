@@ -1,0 +1,120 @@
+"""The adversarial suite: what a hostile (or careless) user hands headlab, and the one
+line each attempt must end in.
+
+A contributor adding an option adds its hostile values here: the CLI table `CASES`
+(a command line and the words its one-line refusal must hold, refused before the model
+loads and leaving no run directory) and the API table `API_CASES` (a call and the
+ValueError/TypeError naming the argument). The sections below cover what a table cannot:
+task code that must not run, inputs that must not change, a resume that must not
+continue another run, and a results.json that must not be trusted blindly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from _cli import assert_one_line, cli
+
+
+# ---------------------------------------------------------------- task code
+def _code_task(folder: Path, marker: Path, *, tag: str = "!function evil.docs") -> Path:
+    """A local lm-eval task whose YAML imports evil.py (which leaves ``marker``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "evil.py").write_text(
+        "from pathlib import Path\n"
+        f"Path({str(marker)!r}).write_text('ran')\n"
+        "def docs(dataset):\n    return dataset\n")
+    data = folder / "evil.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": ["yes", "no"], "label": 0})
+                            + "\n" for q in ("Is it on?", "Is it off?")))
+    (folder / "evil_task.yaml").write_text(
+        "task: evil_task\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        f"process_docs: {tag}\n"
+        "doc_to_text: '{{question}}'\n"
+        "doc_to_target: label\n"
+        "doc_to_choice: choices\n"
+        "metric_list:\n  - metric: acc\n")
+    return folder
+
+
+def _imported_from(folder: Path) -> list[str]:
+    return [name for name, m in list(sys.modules.items())
+            if str(folder) in str(getattr(m, "__file__", "") or "")]
+
+
+def test_task_code_is_refused_without_the_flag_and_nothing_is_imported(
+        capsys, tmp_path, tiny_gpt2_dir):
+    marker = tmp_path / "ran"
+    folder = _code_task(tmp_path / "tasks", marker)
+    yaml_file = folder / "evil_task.yaml"
+    base = ["--tasks", "evil_task", "--include-path", str(folder)]
+    for args in (["eval", "-m", str(tiny_gpt2_dir), *base],
+                 ["eval", "-m", str(tiny_gpt2_dir), "--list-tasks", *base[2:]],
+                 ["score", "-m", str(tiny_gpt2_dir), *base, "--out", str(tmp_path / "run")]):
+        code, _, err = cli(capsys, *args)
+        assert_one_line(code, err, f"task YAML {yaml_file.resolve()} would run Python code")
+        assert "--trust-task-code" in err
+        assert not marker.exists() and _imported_from(folder) == []
+    assert not (tmp_path / "run").exists()
+    code, out, err = cli(capsys, "eval", "-m", str(tiny_gpt2_dir), *base, "--limit", "2",
+                         "--trust-task-code", "--max-tokens", "256", "--seq-len", "32")
+    assert code == 0, err
+    assert marker.read_text() == "ran" and "evil_task" in out
+
+
+@pytest.mark.parametrize("yaml_text", [
+    "class: !function evil.Task\n",
+    "process_docs: !!python/name:os.system\n",
+    "dataset_kwargs:\n  trust_remote_code: true\n",
+    "doc_to_text: \"{{ cycler.__init__.__globals__.os.popen('id').read() }}\"\n",
+    "doc_to_text: \"{{ (x|attr('__class__')) }}\"\n",
+    "include: ../lib/o.yaml\n",  # outside the folder, but what lm-eval would load
+])
+def test_every_way_a_task_yaml_runs_code_is_refused(tmp_path, yaml_text):
+    from headlab.errors import UserError
+    from headlab.evaluate.task_code import check_task_code
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "o.yaml").write_text("process_docs: !function evil.docs\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "t.yaml").write_text("task: t\n" + yaml_text)
+    with pytest.raises(UserError, match="would run Python code.*--trust-task-code"):
+        check_task_code(tmp_path / "tasks", trust=False)
+    check_task_code(tmp_path / "tasks", trust=True)
+
+
+def test_plain_task_yamls_and_lm_evals_own_includes_pass(tmp_path):
+    """A template's ordinary Jinja and an include of lm-eval's own task (which holds
+    !function) are no task code of the user's."""
+    import lm_eval
+
+    from headlab.evaluate.task_code import check_task_code
+
+    own = Path(lm_eval.__file__).parent / "tasks" / "ifeval" / "ifeval.yaml"
+    assert "!function" in own.read_text()
+    (tmp_path / "t.yaml").write_text(
+        f"task: t\ninclude: {own}\n"
+        "doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}} ____. ->\"\n"
+        "doc_to_target: \"{{['__a', '__b'].index(target)}}\"\n")
+    check_task_code(tmp_path, trust=False)
+
+
+def test_a_recipe_cannot_trust_its_own_task_code(capsys, tmp_path, tiny_gpt2_dir):
+    marker = tmp_path / "ran"
+    folder = _code_task(tmp_path / "tasks", marker)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'model = "{tiny_gpt2_dir}"\ncommand = "score"\ntasks = ["evil_task"]\n'
+                      f'include_path = "{folder}"\nout = "{tmp_path / "run"}"\n')
+    code, _, err = cli(capsys, "run", str(recipe))
+    assert_one_line(code, err, "would run Python code")
+    recipe.write_text(recipe.read_text() + "trust_task_code = true\n")
+    code, _, err = cli(capsys, "run", str(recipe))
+    assert_one_line(code, err, f"recipe {recipe} sets trust_task_code")
+    assert not marker.exists() and not (tmp_path / "run").exists()
