@@ -11,12 +11,16 @@ continue another run, and a results.json that must not be trusted blindly.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 from _cli import assert_one_line, cli
+
+from headlab.data.texts import bundled_text
 
 
 # ---------------------------------------------------------------- task code
@@ -118,3 +122,75 @@ def test_a_recipe_cannot_trust_its_own_task_code(capsys, tmp_path, tiny_gpt2_dir
     code, _, err = cli(capsys, "run", str(recipe))
     assert_one_line(code, err, f"recipe {recipe} sets trust_task_code")
     assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- inputs stay untouched
+def _snapshot(*roots: Path) -> dict[str, str]:
+    """Every file's bytes (as a hash) under ``roots``."""
+    files = [p for r in roots for p in ([r] if r.is_file() else sorted(r.rglob("*")))]
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files if p.is_file()}
+
+
+@pytest.fixture()
+def inputs(tmp_path, tiny_gpt2_dir):
+    """A model directory, a data file and a recipe, each in its own folder."""
+    model = tmp_path / "models" / "m"
+    shutil.copytree(tiny_gpt2_dir, model)
+    data = tmp_path / "data" / "text.txt"
+    data.parent.mkdir()
+    data.write_text(bundled_text()[:20_000])
+    recipe = tmp_path / "recipes" / "mine" / "r.toml"
+    recipe.parent.mkdir(parents=True)
+    return {"model": model, "data": data, "recipe": recipe, "root": tmp_path}
+
+
+_QUICK = ["--keep", "0.5", "--method", "random", "--schedule", "one-shot", "--recover",
+          "none", "--max-tokens", "512", "--seq-len", "32", "-q"]
+
+# --out against an input: (the --out, extra options, the relation the line names)
+OUT_CASES = [
+    ("{model}", [], "is --model"),
+    ("{model}/run", [], "lies inside --model"),
+    ("{root}/models", [], "contains --model"),
+    ("{data}.d", ["--data", "{data}"], None),  # beside the data: allowed, for contrast
+    ("{root}/data", ["--data", "{data}"], "contains --data"),
+    ("{root}/data", ["--calib-data", "{data}"], "contains --calib-data"),
+    ("{root}/data", ["--eval-data", "{data}"], "contains --eval-data"),
+    ("{root}", ["--data", "{data}"], "contains --model"),
+]
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["", "overwrite"])
+@pytest.mark.parametrize(("out", "extra", "relation"), OUT_CASES,
+                         ids=[f"{o} {' '.join(e)}" for o, e, _ in OUT_CASES])
+def test_out_never_overlaps_an_input(capsys, inputs, out, extra, relation, overwrite):
+    names = {k: str(v) for k, v in inputs.items()}
+    before = _snapshot(inputs["model"], inputs["data"])
+    args = ["prune", "-m", names["model"], "--out", out.format(**names),
+            *(e.format(**names) for e in extra), *_QUICK]
+    if relation is None:  # the contrast: a run beside its inputs completes
+        code, _, err = cli(capsys, *args)
+        assert code == 0, err
+    else:
+        code, _, err = cli(capsys, *args, *(["--overwrite"] if overwrite else []))
+        assert_one_line(code, err, relation)
+        assert "must not write over its inputs" in err
+    assert _snapshot(inputs["model"], inputs["data"]) == before
+
+
+def test_a_recipe_never_writes_into_its_own_folder(capsys, inputs):
+    recipe = inputs["recipe"]
+    for out in (recipe.parent, recipe.parent.parent):
+        recipe.write_text(f'model = "{inputs["model"]}"\nkeep = 0.5\nout = "{out}"\n'
+                          "overwrite = true\n")
+        before = _snapshot(recipe)
+        code, _, err = cli(capsys, "run", str(recipe))
+        assert_one_line(code, err, "the recipe")
+        assert _snapshot(recipe) == before
+
+
+def test_an_empty_out_is_refused(capsys, tmp_path, tiny_gpt2_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "prune", "-m", str(tiny_gpt2_dir), "--out", "", *_QUICK)
+    assert_one_line(code, err, "--out '' names no directory")
+    assert list(tmp_path.iterdir()) == []

@@ -107,7 +107,7 @@ def run_recipe(
         config = load_recipe(recipe, overrides or [])
         if trust_task_code:
             config["trust_task_code"] = True
-        execute(config, quiet, json_mode)
+        execute(config, quiet, json_mode, recipe=recipe)
 
     guard(body)
 

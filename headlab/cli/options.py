@@ -56,7 +56,7 @@ ResumeOpt = Annotated[Path | None, typer.Option(
 DataOpt = Annotated[str | None, typer.Option(
     help="Dataset (name:config:split), .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
 MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
-OutOpt = Annotated[Path | None, typer.Option(
+OutOpt = Annotated[str | None, typer.Option(
     help="Run directory (default reports/<model>-<method>-keep<k>-<time>/).")]
 TextColumnOpt = Annotated[str | None, typer.Option(help="Text column of the data.")]
 LabelColumnOpt = Annotated[str | None, typer.Option(help="Label column (classifiers).")]

@@ -125,6 +125,9 @@ class RunConfig:
             _check_type(f.name, str(f.type), getattr(self, f.name))
         if not self.model:
             raise UserError("model must name a model (a bundled name, directory, file or hub id)")
+        if self.out is not None and not self.out.strip():
+            raise UserError("--out '' names no directory (it would write into the current "
+                            "one); give a directory path, or leave --out out")
         if self.command not in COMMANDS:
             raise UserError(f"command must be one of {COMMANDS}, got {self.command!r}")
         for key, m in [("method", self.method), *(("compare", c) for c in self.compare)]:

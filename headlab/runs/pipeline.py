@@ -44,7 +44,8 @@ def set_status(out: Path, status: str, **extra: Any) -> None:
     atomic_write_json(out / "status.json", {"status": status, "time": now(), **extra})
 
 
-def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, RunResult]:
+def run(cfg: RunConfig | None, *, resume: Path | None = None,
+        recipe: Path | None = None) -> tuple[Path, RunResult]:
     """Carry out a prune or score run; return its directory and result.
 
     The model and data are loaded and the target checked against the model's heads
@@ -52,15 +53,16 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     on status.json says running / interrupted / failed / complete, and checkpoints let
     ``resume=RUN_DIR`` finish an interrupted run with the result an uninterrupted one
     would have had. Under torchrun every rank computes, rank 0 alone writes.
+    ``recipe``: the file ``cfg`` was read from, an input the run must not write over.
     """
     if resume is not None:
         cfg = resume_config(resume)
     cfg = cfg.validated()
     distributed.init_from_env(resolve_device(cfg.device))
     writes = Placement.here().writes  # rank 0 alone: the directory, its status and lock
-    out = resume or (Path(cfg.out) if cfg.out else default_out(cfg))
+    out = resume or (Path(cfg.out) if cfg.out is not None else default_out(cfg))
     if writes:
-        check_run(cfg, out, resume=resume is not None)  # before the model loads
+        check_run(cfg, out, resume=resume is not None, recipe=recipe)  # before the model loads
     if resume is None and out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise UserError(f"run directory {out} already exists; pass --overwrite or another --out")
     out = Path(distributed.broadcast(str(out)))

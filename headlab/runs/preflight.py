@@ -38,9 +38,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DISK_MARGIN = 1.2  # the save needs the model plus config, tokenizer and report
 
 
-def check_run(cfg: RunConfig, out: Path, *, resume: bool) -> None:
-    """Refuse (UserError) what would make ``cfg``'s run fail after its model loads."""
+def check_run(cfg: RunConfig, out: Path, *, resume: bool,
+              recipe: Path | None = None) -> None:
+    """Refuse (UserError) what would make ``cfg``'s run fail after its model loads, or
+    write into its inputs."""
     check_out(out, resume=resume)
+    check_apart(cfg, out, recipe=recipe)
     check_data(cfg)
     heads, params = model_size(cfg.model)
     if cfg.command == "prune" and heads is not None and cfg.unit == "head":
@@ -71,6 +74,38 @@ def check_out(out: Path, *, resume: bool) -> None:
                              "to end or give another --out", pid=pid)
     if resume and not out.is_dir():
         raise UserError(f"--resume {out}: no such run directory")
+
+
+def check_apart(cfg: RunConfig, out: Path, *, recipe: Path | None = None) -> None:
+    """The run directory neither is, lies inside, nor contains an input: the model's
+    directory or file, a data file, the task folder, or the recipe (or its folder), so
+    a run (with --overwrite or not) never writes over or deletes what it reads."""
+    inputs = [("--model", _model_path(cfg.model))]
+    inputs += [(f"--{key.replace('_', '-')}", Path(getattr(cfg, key)))
+               for key in ("data", "calib_data", "eval_data", "include_path")
+               if getattr(cfg, key) and Path(getattr(cfg, key)).exists()]
+    if recipe is not None:
+        inputs.append(("the recipe", Path(recipe)))
+    where = Path(out).resolve()
+    for flag, path in inputs:
+        if path is None:
+            continue
+        path = path.resolve()
+        inside = where.is_relative_to(path) and (path.is_dir() or where == path)
+        if flag == "the recipe":  # beside a recipe is fine, its own folder is not
+            inside = where in (path, path.parent)
+        if inside or path.is_relative_to(where):
+            relation = "is" if where == path else "contains" if path.is_relative_to(
+                where) else "lies inside"
+            raise UserError(f"--out {out} {relation} {flag} {path}: a run must not write "
+                            "over its inputs; give another --out")
+
+
+def _model_path(name: str) -> Path | None:
+    """The local directory or file a model name reads; None for a hub id."""
+    if name in BUNDLED:
+        return bundled_path(name)
+    return Path(name) if Path(name).exists() else None
 
 
 def check_data(cfg: RunConfig) -> None:
