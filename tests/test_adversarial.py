@@ -194,3 +194,78 @@ def test_an_empty_out_is_refused(capsys, tmp_path, tiny_gpt2_dir, monkeypatch):
     code, _, err = cli(capsys, "prune", "-m", str(tiny_gpt2_dir), "--out", "", *_QUICK)
     assert_one_line(code, err, "--out '' names no directory")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- resume is the same run
+def _score_args(model: Path, data: Path, out: Path) -> list[str]:
+    return ["score", "-m", str(model), "--data", str(data), "--max-tokens", "2048",
+            "--seq-len", "32", "--batch-size", "2", "--out", str(out), "-q"]
+
+
+def _interrupted(capsys, monkeypatch, args: list[str]) -> None:
+    """Run ``args``, stopped (as by Ctrl-C) right after scoring's first checkpoint."""
+    from headlab._util import checkpoint as ck
+
+    real, puts = ck.Checkpoint.put, []
+
+    def put(self, key, state):
+        real(self, key, state)
+        puts.append(key)
+        if len(puts) == 1:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(ck.Checkpoint, "put", put)
+        code, _, err = cli(capsys, *args)
+    assert code == 130 and puts == ["score", "score"], err
+
+
+def _edit_config(out: Path, **keys) -> None:
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **keys}))
+
+
+@pytest.fixture()
+def resumable(capsys, monkeypatch, tmp_path, tiny_gpt2_dir):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_gpt2_dir, model)
+    data = tmp_path / "text.txt"
+    data.write_text(bundled_text()[:30_000])
+    out = tmp_path / "cut"
+    _interrupted(capsys, monkeypatch, _score_args(model, data, out))
+    return {"model": model, "data": data, "out": out, "tmp": tmp_path}
+
+
+def test_an_unedited_resume_gives_the_uninterrupted_scores(capsys, resumable):
+    r = resumable
+    full = r["tmp"] / "full"
+    code, _, err = cli(capsys, *_score_args(r["model"], r["data"], full))
+    assert code == 0, err
+    code, _, err = cli(capsys, "score", "--resume", str(r["out"]), "-q")
+    assert code == 0, err
+    a, b = (json.loads((d / "results.json").read_text()) for d in (full, r["out"]))
+    assert a["importance"] == b["importance"]
+
+
+# an edit to the run (its config.json or its inputs) and the key the refusal names
+EDITS = {
+    "another model": ("model", lambda r: _edit_config(r["out"], model=str(r["tmp"] / "m2"))),
+    "the model's config": ("model_files", lambda r: (r["model"] / "config.json").write_text(
+        (r["model"] / "config.json").read_text().replace("{", '{"edited": 1, ', 1))),
+    "another method": ("method", lambda r: _edit_config(r["out"], method="fisher")),
+    "another seed": ("seed", lambda r: _edit_config(r["out"], seed=1)),
+    "another seq_len": ("seq_len", lambda r: _edit_config(r["out"], seq_len=64)),
+    "the data's text": ("tokens", lambda r: r["data"].write_text(bundled_text()[5_000:35_000])),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_resume_of_an_edited_run_is_refused_naming_the_key(capsys, resumable, edit):
+    r = resumable
+    shutil.copytree(r["model"], r["tmp"] / "m2")
+    key, change = EDITS[edit]
+    change(r)
+    code, _, err = cli(capsys, "score", "--resume", str(r["out"]), "-q")
+    assert_one_line(code, err, f"belongs to another run: {key} was")
+    assert not (r["out"] / "results.json").exists()
+    assert json.loads((r["out"] / "status.json").read_text())["status"] == "interrupted"

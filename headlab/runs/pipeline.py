@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from headlab._util.checkpoint import Checkpoint
+from headlab._util.checkpoint import Checkpoint, check_identity
 from headlab._util.filecheck import read_config
 from headlab._util.io import atomic_write_json
 from headlab.errors import UserError
@@ -21,6 +21,7 @@ from headlab.models.base import HeadModel
 from headlab.parallel import distributed
 from headlab.results import RunResult
 from headlab.runs.config import RunConfig, resolve_device
+from headlab.runs.identity import config_identity, token_identity
 from headlab.runs.inputs import build_data, load_model
 from headlab.runs.lock import RunLock, remove_stale_temps
 from headlab.runs.placement import Placement
@@ -71,11 +72,16 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None,
 
         check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path,
                     trust_code=cfg.trust_task_code)
+    if resume is not None:  # the checkpoint is this configuration's, before loading
+        check_identity(out, config_identity(cfg))
     model = load_model(cfg)
     n_keep = None
     if cfg.command == "prune":
         n_keep = _target(cfg, model)
     scoring, heldout, seq_len = build_data(cfg, model)
+    identity = {**config_identity(cfg), **token_identity(scoring, heldout)}
+    if resume is not None:  # and so are the tokens
+        check_identity(out, identity)
     lock = None
     if writes:
         out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +94,7 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None,
     stage = Stage(cfg, out, model, scoring, heldout, seq_len, Placement.here(model))
     try:
         distributed.barrier()
-        stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every)
+        stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every, identity=identity)
         result = stage.prune(n_keep) if n_keep is not None else stage.score_only()
     except KeyboardInterrupt as exc:
         if writes:
