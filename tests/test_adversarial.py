@@ -15,6 +15,7 @@ import hashlib
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,113 @@ def test_a_resume_of_an_edited_run_is_refused_naming_the_key(capsys, resumable, 
     assert_one_line(code, err, f"belongs to another run: {key} was")
     assert not (r["out"] / "results.json").exists()
     assert json.loads((r["out"] / "status.json").read_text())["status"] == "interrupted"
+
+
+# ---------------------------------------------------------------- refused before loading
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory, tiny_gpt2_dir):
+    """Models, data and recipes a hostile user would hand over (the tiny GPT-2 has
+    3 layers x 4 heads, E=32, 128 positions)."""
+    d = tmp_path_factory.mktemp("hostile")
+    files = {}
+
+    def model_with(name: str, **keys) -> None:
+        path = d / name
+        shutil.copytree(tiny_gpt2_dir, path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **keys}))
+        files[name] = path
+
+    model_with("heads0", n_head=0)
+    model_with("heads_text", n_head="4")
+    model_with("layers_negative", n_layer=-1)
+    model_with("indivisible", n_embd=30)
+    deep = "[" * 100_000 + "]" * 100_000
+    path = d / "deepconfig"
+    shutil.copytree(tiny_gpt2_dir, path)
+    (path / "config.json").write_text('{"model_type": "gpt2", "x": ' + deep + "}")
+    files["deepconfig"] = path
+    (d / "deep.jsonl").write_text('{"text": ' + deep + "}\n")
+    files["deep_jsonl"] = d / "deep.jsonl"
+    (d / "deep.json").write_text(deep)
+    files["deep_json"] = d / "deep.json"
+    (d / "binary.toml").write_bytes(b'model = "minilm-l6"\nkeep = 0.5\n# \xff\n')
+    files["binary_recipe"] = d / "binary.toml"
+    (d / "needle.toml").write_text(f'model = "{tiny_gpt2_dir}"\ncommand = "score"\n'
+                                   'tasks = ["needle"]\nneedle_lengths = 512\n')
+    files["needle_recipe"] = d / "needle.toml"
+    (d / "a-file").write_text("not a folder")
+    files["afile"] = d / "a-file"
+    return files
+
+
+# (command line, what the one line must name); {model} is the tiny GPT-2, {out} a run
+# directory that must not exist afterwards, other names come from `hostile`
+CASES = [
+    ("prune -m {heads0} --keep 0.5 --out {out}", "n_head must be a whole number >= 1, got 0"),
+    ("prune -m {heads_text} --keep 0.5 --out {out}", "n_head must be a whole number >= 1"),
+    ("score -m {layers_negative} --out {out}", "n_layer must be a whole number >= 1, got -1"),
+    ("score -m {indivisible} --out {out}", "hidden size 30 is not divisible by the 4"),
+    ("eval -m {heads0}", "n_head must be a whole number"),
+    ("eval -m {deepconfig}", "nests deeper"),
+    ("score -m {model} --data {deep_jsonl} --out {out}", "deep.jsonl line 1: it nests deeper"),
+    ("score -m {model} --data {deep_json} --out {out}", "deep.json: it nests deeper"),
+    ("run {binary_recipe}", "is not UTF-8 text (byte"),
+    ("run {needle_recipe}", "needle_lengths must be"),
+    ("prune -m {model} --keep 0.5 --min-heads-per-layer 5 --out {out}",
+     "--min-heads-per-layer 5 is more than the 4 heads"),
+    ("prune -m {model} --keep 0.5 --eval-protocol windows --eval-seq-len 256 --out {out}",
+     "--eval-seq-len 256 is beyond the 128 positions"),
+    ("prune -m {model} --keep 0.5 --calib-samples 4 --calib-seq-len 200 --out {out}",
+     "--calib-seq-len 200 is beyond the 128 positions"),
+    ("score -m {model} --tasks needle --needle-lengths 256 --out {out}",
+     "--needle-lengths 256 is beyond the 128 positions"),
+    ("eval -m {model} --tasks needle --needle-lengths 256", "--needle-lengths 256 is beyond"),
+    ("prune -m {model} --keep 0.5 --tasks needle --needle-lengths abc --out {out}",
+     "--needle-lengths takes token counts"),
+    ("prune -m {model} --keep 0.5 --seed 9223372036854775808 --out {out}",
+     "--seed must be in [0, 2**63 - 1]"),
+    ("prune -m {model} --keep 0.5 --seed -1 --out {out}", "--seed must be in"),
+    ("prune -m {model} --keep 0.5 --recover-ridge 1e308 --out {out}",
+     "--recover-ridge must be in [0, 1e+06]"),
+    ("prune -m {model} --keep 0.5 --recover-ridge inf --out {out}", "recover_ridge"),
+    ("prune -m {model} --keep 0.5 --recover lsq --recover-tokens 100 --out {out}",
+     "--recover-tokens shape distill, which --recover lsq does not run"),
+    ("prune -m {model} --keep 0.5 --recover bias --recover-params all --out {out}",
+     "--recover-params shape distill, which --recover bias does not run"),
+    ("prune -m {model} --keep 0.5 --recover distill --recover-lr 1e30 --out {out}",
+     "--recover-lr must be in (0, 1]"),
+    ("prune -m {model} --keep 0.5 --shard fsdp --out {out}", "start it with torchrun"),
+    ("eval -m {model} --shard fsdp", "start it with torchrun"),
+    ("eval -m {model} --tasks nope_task_xyz", "unknown lm-eval task(s) nope_task_xyz"),
+    ("prune -m {model} --keep 0.5 --tasks nope_task_xyz --out {out}", "nope_task_xyz"),
+    ("detect -m {model} --n 0", "'--n'"),
+    ("detect -m {model} --top -1", "'--top'"),
+    ("detect -m {model} --kinds nonsense", "unknown detector(s) nonsense"),
+    ("detect -m {model} --out {afile}/x.json", "is a file, not a folder"),
+    ("inspect {model} hello --top -1", "'--top'"),
+    ("inspect {model} hello --html {afile}/x.html", "is a file, not a folder"),
+    ("validate -m {model} --n-boot 0", "'--n-boot'"),
+]
+
+
+@pytest.mark.parametrize(("command", "culprit"), CASES, ids=[c for c, _ in CASES])
+def test_hostile_options_are_refused_in_one_line_before_loading(
+        capsys, monkeypatch, tmp_path, hostile, tiny_gpt2_dir, command, culprit):
+    import headlab.runs.pipeline
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    for module in ("headlab.runs.pipeline", "headlab.runs.evaluate", "headlab.runs.inputs"):
+        monkeypatch.setattr(f"{module}.load_model", loaded)
+    monkeypatch.setattr("headlab.models.load", loaded)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert headlab.runs.pipeline.load_model is loaded
+    names = {k: str(v) for k, v in hostile.items()} | {"model": str(tiny_gpt2_dir),
+                                                       "out": str(tmp_path / "run")}
+    start = time.perf_counter()
+    code, _, err = cli(capsys, *command.format(**names).split())
+    assert_one_line(code, err, culprit.format(**names))
+    assert not (tmp_path / "run").exists()
+    assert time.perf_counter() - start < 60
