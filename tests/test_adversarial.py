@@ -380,3 +380,27 @@ def test_hostile_options_are_refused_in_one_line_before_loading(
     assert_one_line(code, err, culprit.format(**names))
     assert not (tmp_path / "run").exists()
     assert time.perf_counter() - start < 60
+
+
+# ---------------------------------------------------------------- results.json read back
+_RESULTS = {"model": "m", "method": "michel", "heads_total": 2, "importance": [[0.1, 0.2]]}
+
+
+@pytest.mark.parametrize(("edit", "culprit"), [
+    ({"schema_version": 99}, "results['schema_version'] is 99; this headlab reads versions 1 "
+                             "to 2"),
+    ({"schema_version": "2"}, "results['schema_version'] is '2'"),
+    ({"importance": [["0.1", "0.2"]]}, "results['importance'] layer 0 holds '0.1'"),
+    ({"heads_total": "2"}, "results['heads_total'] must be a whole number"),
+    ("deep", "nests deeper"),
+])
+def test_report_refuses_results_it_cannot_read_naming_the_key(capsys, tmp_path, edit,
+                                                              culprit):
+    run = tmp_path / "run"
+    run.mkdir()
+    text = ('{"x": ' + "[" * 200_000 + "]" * 200_000 + "}" if edit == "deep"
+            else json.dumps({**_RESULTS, **edit}))
+    (run / "results.json").write_text(text)
+    code, _, err = cli(capsys, "report", str(run))
+    assert_one_line(code, err, culprit)
+    assert not (run / "report.html").exists()
