@@ -194,6 +194,7 @@ class RunResult:
         if not isinstance(importance, list) or not all(isinstance(r, list) for r in importance):
             raise UserError("results['importance'] must be a list of per-layer lists of "
                             f"floats (layers x heads); got {type(importance).__name__}")
+        _check_schema(d)
         data, quality = _section(d, "data"), _section(d, "quality")
         latency = d.get("latency_ms")
         return cls(
@@ -254,6 +255,24 @@ class RunResult:
             tasks=_tasks(d.get("tasks")),
             needle=_needle(d.get("needle")),
         )
+
+
+def _check_schema(d: dict[str, Any]) -> None:
+    """What a reader cannot make sense of is refused naming the key: a schema version
+    newer than this headlab reads, a head's importance or head count that is no number
+    (a malformed optional section reads as not measured)."""
+    version = d.get("schema_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not (
+            1 <= version <= SCHEMA_VERSION):
+        raise UserError(f"results['schema_version'] is {version!r}; this headlab reads "
+                        f"versions 1 to {SCHEMA_VERSION}: upgrade headlab or rerun the run")
+    for layer, row in enumerate(d["importance"]):
+        bad = next((v for v in row if v is not None and _float(v) is None), None)
+        if bad is not None:
+            raise UserError(f"results['importance'] layer {layer} holds {bad!r}, not a number")
+    if not isinstance(d["heads_total"], int) or isinstance(d["heads_total"], bool):
+        raise UserError(f"results['heads_total'] must be a whole number, got "
+                        f"{d['heads_total']!r}")
 
 
 def _head_types(x: Any) -> dict[str, list[list[float]]]:

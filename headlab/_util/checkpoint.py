@@ -19,26 +19,23 @@ from headlab._util.io import atomic_path
 from headlab.errors import UserError
 from headlab.parallel import distributed
 
+IDENTITY = "identity"  # what the run is (`headlab.runs.identity`), saved beside its states
+
 
 class Checkpoint:
     """Named states persisted in ``directory/checkpoint[-rankN].pt``."""
 
-    def __init__(self, directory: str | Path, *, every: int = 10) -> None:
+    def __init__(self, directory: str | Path, *, every: int = 10,
+                 identity: dict[str, Any] | None = None) -> None:
         if every < 1:
             raise UserError(f"checkpoint interval must be >= 1 batch, got {every}")
-        rank = distributed.rank()
-        name = "checkpoint.pt" if distributed.world_size() == 1 else f"checkpoint-rank{rank}.pt"
-        self.path = Path(directory) / name
+        self.path = _path(directory)
         self.every = every
-        self._states: dict[str, Any] = {}
-        if self.path.is_file():
-            try:
-                self._states = torch.load(self.path, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise UserError(
-                    f"checkpoint {self.path} cannot be read ({type(exc).__name__}); delete it "
-                    "to start the run over"
-                ) from exc
+        self._states: dict[str, Any] = _read(self.path) if self.path.is_file() else {}
+        if identity is not None:
+            _compare(self.path, self._states, identity)
+            self._states[IDENTITY] = identity
+
 
     def get(self, key: str) -> Any | None:
         return self._states.get(key)
@@ -55,3 +52,45 @@ class Checkpoint:
         """Remove the file once the run is complete."""
         self._states = {}
         self.path.unlink(missing_ok=True)
+
+
+def check_identity(directory: str | Path, identity: dict[str, Any]) -> None:
+    """Refuse (one line, naming the key) a checkpoint in ``directory`` that another run
+    wrote: one whose recorded identity differs from ``identity`` in any of its keys."""
+    path = _path(directory)
+    if path.is_file():
+        _compare(path, _read(path), identity)
+
+
+def _path(directory: str | Path) -> Path:
+    rank = distributed.rank()
+    name = "checkpoint.pt" if distributed.world_size() == 1 else f"checkpoint-rank{rank}.pt"
+    return Path(directory) / name
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UserError(f"checkpoint {path} cannot be read ({type(exc).__name__}); delete it "
+                        "to start the run over") from exc
+
+
+def _compare(path: Path, states: dict[str, Any], identity: dict[str, Any]) -> None:
+    if not states:
+        return
+    stored = states.get(IDENTITY)
+    if not isinstance(stored, dict):
+        raise UserError(f"checkpoint {path} does not record which run it belongs to; delete "
+                        "it to start the run over")
+    for key, value in identity.items():
+        if stored.get(key) != value:
+            raise UserError(
+                f"checkpoint {path} belongs to another run: {key} was "
+                f"{_short(stored.get(key))}, the configuration now says {_short(value)}; "
+                "restore it, or start a new run (another --out)")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

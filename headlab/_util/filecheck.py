@@ -193,6 +193,9 @@ def read_config(path: str | Path, *, what: str = "config") -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise CorruptFileError(f"broken {what}: {path} line {exc.lineno} column {exc.colno}: "
                                f"{exc.msg}; fix the JSON or {_RESTORE}", path=str(path)) from None
+    except RecursionError:
+        raise CorruptFileError(f"broken {what}: {path} nests deeper than JSON readers go; "
+                               f"{_RESTORE}", path=str(path)) from None
     if not isinstance(config, dict):
         raise CorruptFileError(f"broken {what}: {path} holds a JSON {type(config).__name__}, "
                                f"not an object; {_RESTORE}", path=str(path))
@@ -241,7 +244,11 @@ def check_rows_file(path: str | Path) -> None:
         return
     if suffix == ".json":
         with contextlib.suppress(json.JSONDecodeError):
-            json.loads(text)  # a whole JSON document; else it must be JSON lines
+            try:
+                json.loads(text)  # a whole JSON document; else it must be JSON lines
+            except RecursionError:
+                raise DataError(f"could not read {path}: it nests deeper than JSON readers "
+                                "go") from None
             return
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -251,6 +258,9 @@ def check_rows_file(path: str | Path) -> None:
         except json.JSONDecodeError as exc:
             raise DataError(f"could not read {path} line {number}: not valid JSON ({exc.msg} "
                             f"at column {exc.colno}); fix or remove that line") from None
+        except RecursionError:
+            raise DataError(f"could not read {path} line {number}: it nests deeper than "
+                            "JSON readers go; fix or remove that line") from None
         if not isinstance(row, dict):
             raise DataError(f"could not read {path} line {number}: a JSON "
                             f"{type(row).__name__}, not an object with named fields; each line "

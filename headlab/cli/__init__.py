@@ -94,6 +94,7 @@ def bench(
 def run_recipe(
     recipe: Annotated[Path, typer.Argument(help="A TOML recipe (see recipes/).")],
     overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides.")] = None,
+    trust_task_code: opt.TrustTaskCodeOpt = False,
     quiet: opt.QuietOpt = False,
     json_mode: opt.JsonOpt = False,
 ) -> None:
@@ -104,7 +105,9 @@ def run_recipe(
         from headlab.runs.config import load_recipe
 
         config = load_recipe(recipe, overrides or [])
-        execute(config, quiet, json_mode)
+        if trust_task_code:
+            config["trust_task_code"] = True
+        execute(config, quiet, json_mode, recipe=recipe)
 
     guard(body)
 

@@ -160,7 +160,8 @@ def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
         console.print(f"model:   {summary['model_dir']}")
 
 
-def execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = None) -> None:
+def execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = None,
+            recipe: Path | None = None) -> None:
     from headlab.errors import UserError
     from headlab.parallel import distributed
     from headlab.runs.pipeline import run
@@ -168,7 +169,7 @@ def execute(config: dict, quiet: bool, json_mode: bool, resume: Path | None = No
     if resume is None and not config.get("model"):
         raise UserError("give --model (or --resume RUN_DIR to continue a run)")
     cfg = None if resume is not None else RunConfig.from_dict(config)
-    out, result = run(cfg, resume=resume)
+    out, result = run(cfg, resume=resume, recipe=recipe)
     if distributed.is_main():
         print_summary(summary(result, out), json_mode, quiet)
 

@@ -37,7 +37,8 @@ def eval_(**values) -> None:
         from headlab.evaluate.lm_eval import task_names
 
         guard(opt.run_keys, "eval", values)  # a bad task option fails as before the list
-        typer.echo("\n".join(guard(task_names, values["include_path"])))
+        typer.echo("\n".join(guard(task_names, values["include_path"],
+                                   trust_code=values["trust_task_code"])))
         return
 
     def body():

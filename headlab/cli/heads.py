@@ -20,7 +20,8 @@ def inspect(
     text: Annotated[str, typer.Argument(help="The text to look at.")],
     html: Annotated[Path | None, typer.Option(help="Write an interactive HTML view here.")]
     = None,
-    top: Annotated[int, typer.Option(help="Rows of the table (most confident heads).")] = 20,
+    top: Annotated[int, typer.Option(help="Rows of the table (most confident heads).",
+                                     min=1)] = 20,
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     target: Annotated[str | None, typer.Option(
         help="With --foil: each head's direct logit attribution to logit(target) - "
@@ -40,6 +41,7 @@ def inspect(
             from headlab.errors import UserError
 
             raise UserError("give --target and --foil together")
+        _check_file_out("--html", html)
         if target is not None:
             _print_attribution(model, text, target, foil, top, device.value)
             return
@@ -87,10 +89,10 @@ def detect(
     = None,
     n: Annotated[int, typer.Option(
         "--n", "--examples", help="Examples per detector (--examples under torchrun, whose "
-                                   "own options take --n).")] = 16,
+                                   "own options take --n).", min=1)] = 16,
     seq_len: Annotated[int, typer.Option(help="Tokens per text block or needle prompt.")]
     = 128,
-    top: Annotated[int, typer.Option(help="Heads listed per detector.")] = 5,
+    top: Annotated[int, typer.Option(help="Heads listed per detector.", min=1)] = 5,
     seed: opt.SeedOpt = opt.D["seed"],
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     shard: opt.ShardOpt = None,
@@ -106,12 +108,18 @@ def detect(
 
     def body():
         from headlab._util.io import atomic_write_json
-        from headlab.detectors import detect_all, top_heads
+        from headlab.detectors import KINDS, detect_all, top_heads
+        from headlab.errors import UserError
         from headlab.models import load
         from headlab.parallel import distributed
         from headlab.parallel.sharding import load_sharded
         from headlab.runs.config import resolve_device
 
+        unknown = [k for k in kinds or [] if k not in KINDS]
+        if unknown:
+            raise UserError(f"--kinds: unknown detector(s) {', '.join(unknown)}; choose from "
+                            f"{', '.join(KINDS)}")
+        _check_file_out("--out", out)
         where = resolve_device(device.value)
         # sharded: every rank runs every probe, in lockstep through each block's gather
         m = load_sharded(model, device=where)[0] if shard else load(model, device=where)
@@ -142,8 +150,8 @@ def validate(
     = 4096,
     seq_len: opt.SeqLenOpt = 128,
     batch_size: opt.BatchSizeOpt = opt.D["batch_size"],
-    n_boot: Annotated[int, typer.Option(help="Bootstrap draws over held-out examples.")]
-    = 1000,
+    n_boot: Annotated[int, typer.Option(help="Bootstrap draws over held-out examples.",
+                                        min=1)] = 1000,
     seed: opt.SeedOpt = opt.D["seed"],
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     out: Annotated[Path | None, typer.Option(help="Write the validation here (JSON).")]
@@ -164,6 +172,7 @@ def validate(
         from headlab.importance import METHODS
         from headlab.runs.inputs import build_data, load_model
 
+        _check_file_out("--out", out)
         cfg = RunConfig.from_dict(dict(
             model=model, command="score", data=data, max_tokens=max_tokens, seq_len=seq_len,
             batch_size=batch_size, seed=seed, device=device.value))
@@ -178,3 +187,18 @@ def validate(
         typer.echo(json.dumps(found.to_json()) if json_mode else found.table())
 
     guard(body)
+
+
+def _check_file_out(flag: str, path: Path | None) -> None:
+    """A file the command will write can be: not a folder, not under a regular file."""
+    if path is None:
+        return
+    from headlab.errors import UserError
+
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file path")
+    base = path.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise UserError(f"{flag} {path}: {base} is a file, not a folder; give another {flag}")

@@ -56,7 +56,7 @@ ResumeOpt = Annotated[Path | None, typer.Option(
 DataOpt = Annotated[str | None, typer.Option(
     help="Dataset (name:config:split), .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
 MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
-OutOpt = Annotated[Path | None, typer.Option(
+OutOpt = Annotated[str | None, typer.Option(
     help="Run directory (default reports/<model>-<method>-keep<k>-<time>/).")]
 TextColumnOpt = Annotated[str | None, typer.Option(help="Text column of the data.")]
 LabelColumnOpt = Annotated[str | None, typer.Option(help="Label column (classifiers).")]
@@ -128,6 +128,9 @@ TasksOpt = Annotated[str | None, typer.Option(
          "--list-tasks` lists the names.")]
 IncludePathOpt = Annotated[Path | None, typer.Option(
     help="A folder of local lm-eval task YAMLs (runs offline on local jsonl).")]
+TrustTaskCodeOpt = Annotated[bool, typer.Option(
+    help="Let --include-path's task YAMLs run their Python (lm-eval's !function, class:, "
+         "dataset scripts); without it such a YAML is refused, nothing imported.")]
 LimitOpt = Annotated[int | None, typer.Option(help="lm-eval: at most N examples per task.")]
 NumFewshotOpt = Annotated[int | None, typer.Option(help="lm-eval: few-shot examples.")]
 NeedleLengthsOpt = Annotated[str | None, typer.Option(
@@ -253,6 +256,7 @@ PROTOCOL = (
     Opt("eval_protocol", EvalProtocolOpt, DEFAULT_PROTOCOL),
     Opt("eval_seq_len", EvalSeqLenOpt))
 TASKS = (Opt("tasks", TasksOpt), Opt("include_path", IncludePathOpt),
+         Opt("trust_task_code", TrustTaskCodeOpt, False),
          Opt("limit", LimitOpt), Opt("num_fewshot", NumFewshotOpt))
 NEEDLE_LENGTHS = Opt("needle_lengths", NeedleLengthsOpt)
 RECOVER_EVERY_STEP = Opt("recover_every_step", Annotated[bool, typer.Option(

@@ -25,6 +25,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 
 from headlab.errors import UserError
+from headlab.evaluate.task_code import check_task_code
 from headlab.models.generation import generate
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
 
@@ -186,10 +187,15 @@ class HeadlabLM(TemplateLM):
                 for row in new]
 
 
-def _task_manager(names: list[str], include_path: str | Path | None):
+def _task_manager(names: list[str], include_path: str | Path | None, trust_code: bool):
     """lm-eval's task index: the local folder alone where it holds every name (quick
     and offline), else lm-eval's own tasks too (indexing them takes a while, so the
-    index is built once per process)."""
+    index is built once per process). A local folder whose YAMLs would run code is
+    refused first, unless ``trust_code`` (`headlab.evaluate.task_code`)."""
+    if include_path is not None:
+        if not Path(include_path).is_dir():
+            raise UserError(f"--include-path {include_path} is not a folder of task YAMLs")
+        check_task_code(include_path, trust=trust_code)
     return _cached_manager(tuple(names), None if include_path is None else str(include_path))
 
 
@@ -198,27 +204,28 @@ def _cached_manager(names: tuple[str, ...], include_path: str | None):
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
-        if not Path(include_path).is_dir():
-            raise UserError(f"--include-path {include_path} is not a folder of task YAMLs")
         local = TaskManager(include_path=str(include_path), include_defaults=False)
         if all(n in local.all_tasks for n in names):
             return local
     return TaskManager(include_path=include_path)
 
 
-def task_names(include_path: str | Path | None = None) -> list[str]:
+def task_names(include_path: str | Path | None = None, *,
+               trust_code: bool = False) -> list[str]:
     """Every task, group and tag name lm-eval knows (with the local folder's)."""
-    return _task_manager(["\0"], include_path).all_tasks
+    return _task_manager(["\0"], include_path, trust_code).all_tasks
 
 
 def run_tasks(model: HeadModel, names: list[str], *, include_path: str | Path | None = None,
               limit: int | None = None, num_fewshot: int | None = None,
-              batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0) -> dict[str, dict]:
+              batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0,
+              trust_code: bool = False) -> dict[str, dict]:
     """lm-eval's metrics for each task, keyed by task name, exactly as its ``results``
-    reports them (e.g. ``{"hellaswag": {"acc,none": ..., "acc_stderr,none": ...}}``)."""
+    reports them (e.g. ``{"hellaswag": {"acc,none": ..., "acc_stderr,none": ...}}``).
+    ``trust_code``: let the YAMLs of ``include_path`` run Python (``!function``)."""
     import lm_eval
 
-    manager = _checked_manager(names, include_path)
+    manager = _checked_manager(names, include_path, trust_code)
     adapter = HeadlabLM(model, batch_size=batch_size)
     try:
         out = lm_eval.simple_evaluate(
@@ -231,18 +238,20 @@ def run_tasks(model: HeadModel, names: list[str], *, include_path: str | Path | 
     return {name: dict(metrics) for name, metrics in out["results"].items()}
 
 
-def check_tasks(names: list[str], include_path: str | Path | None = None) -> None:
-    """Raise a one-line UserError for an unknown task name, or a task whose data cannot
-    be read (offline, a hub dataset): before a run spends its time, not after."""
-    manager = _checked_manager(names, include_path)
+def check_tasks(names: list[str], include_path: str | Path | None = None, *,
+                trust_code: bool = False) -> None:
+    """Raise a one-line UserError for an unknown task name, a local task that would run
+    code without ``trust_code``, or a task whose data cannot be read (offline, a hub
+    dataset): before a run spends its time, not after."""
+    manager = _checked_manager(names, include_path, trust_code)
     try:
         manager.load(list(names))
     except (ConnectionError, OSError) as exc:
         raise UserError(_hub_message(names, manager, exc)) from exc
 
 
-def _checked_manager(names: list[str], include_path: str | Path | None):
-    manager = _task_manager(names, include_path)
+def _checked_manager(names: list[str], include_path: str | Path | None, trust_code: bool):
+    manager = _task_manager(names, include_path, trust_code)
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; list the names with "

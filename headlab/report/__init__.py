@@ -46,6 +46,9 @@ def write_report(run_dir: str | Path) -> Path:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not valid JSON ({exc}); rerun the run or restore the "
                         "file") from exc
+    except RecursionError:
+        raise UserError(f"{path} nests deeper than JSON readers go; rerun the run or restore "
+                        "the file") from None
     return build_report(RunResult.from_json(data), path.parent / "report.html")
 
 

@@ -31,6 +31,8 @@ DEVICES = ("auto", "cpu", "cuda")
 SHARDING = ("fsdp",)  # headlab.parallel.sharding: the weights split across torchrun ranks
 
 COMMANDS = ("prune", "score", "eval")
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
+MAX_RIDGE = 1e6  # times mean(diag X^T X): beyond it the refit is the old weights
 
 
 @dataclass
@@ -64,6 +66,7 @@ class RunConfig:
     eval_seq_len: int | None = None  # windows protocol: None is 2048 or the model's limit
     tasks: list[str] = field(default_factory=list)  # lm-eval task names, and "needle"
     include_path: str | None = None  # a folder of local lm-eval task YAMLs
+    trust_task_code: bool = False  # let include_path's YAMLs run Python (!function)
     limit: int | None = None  # lm-eval: examples per task
     num_fewshot: int | None = None
     needle_lengths: list[int] = field(default_factory=list)  # empty: 256 up to the limit
@@ -124,6 +127,9 @@ class RunConfig:
             _check_type(f.name, str(f.type), getattr(self, f.name))
         if not self.model:
             raise UserError("model must name a model (a bundled name, directory, file or hub id)")
+        if self.out is not None and not self.out.strip():
+            raise UserError("--out '' names no directory (it would write into the current "
+                            "one); give a directory path, or leave --out out")
         if self.command not in COMMANDS:
             raise UserError(f"command must be one of {COMMANDS}, got {self.command!r}")
         for key, m in [("method", self.method), *(("compare", c) for c in self.compare)]:
@@ -188,14 +194,25 @@ class RunConfig:
         if self.recover_tokens is not None and self.recover_tokens < 1:
             raise UserError(f"--recover-tokens must be at least 1 token, got "
                             f"{self.recover_tokens}")
-        if self.recover_ridge is not None and self.recover_ridge < 0:
-            raise UserError(f"--recover-ridge must be >= 0, got {self.recover_ridge}")
+        if self.recover_ridge is not None and not 0 <= self.recover_ridge <= MAX_RIDGE:
+            raise UserError(f"--recover-ridge must be in [0, {MAX_RIDGE:g}] (times the "
+                            f"mean of diag X^T X), got {self.recover_ridge}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"--seed must be in [0, 2**63 - 1], got {self.seed}")
+        if self.recover != "distill":
+            given = [flag for flag, on in (
+                ("--recover-tokens", self.recover_tokens is not None),
+                ("--recover-params", self.recover_params != "out")) if on]
+            if given:
+                raise UserError(f"{' and '.join(given)} shape distill, which --recover "
+                                f"{self.recover} does not run: drop them or use --recover "
+                                "distill")
         if self.recover_every_step and self.recover not in TRAINING_FREE:
             raise UserError(f"--recover-every-step takes a --recover that needs no training "
                             f"({', '.join(TRAINING_FREE)}), got {self.recover!r}")
-        if not self.recover_lr > 0 or not self.recover_temperature > 0:
-            raise UserError("--recover-lr and --recover-temperature must be > 0, got "
-                            f"{self.recover_lr} and {self.recover_temperature}")
+        if not 0 < self.recover_lr <= 1 or not self.recover_temperature > 0:
+            raise UserError("--recover-lr must be in (0, 1] and --recover-temperature > 0, "
+                            f"got {self.recover_lr} and {self.recover_temperature}")
         if not 0 < self.heldout < 1:
             raise UserError(f"heldout must be in (0, 1), got {self.heldout}")
         self._validate_protocol()
@@ -285,6 +302,8 @@ def _check_type(name: str, declared: str, value: Any) -> None:
         "bool": isinstance(value, bool),
         "str": isinstance(value, str),
         "list[str]": isinstance(value, list) and all(isinstance(v, str) for v in value),
+        "list[int]": isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value),
     }.get(base, True)
     if not ok:
         raise UserError(f"{name} must be {'a finite ' if base == 'float' else ''}{base}, "
@@ -311,6 +330,14 @@ def load_recipe(path: Path, overrides: list[str]) -> dict:
         config = tomllib.loads(path.read_text("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"recipe {path} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UserError(f"recipe {path} is not UTF-8 text (byte {exc.start}); a recipe is "
+                        "TOML text") from None
+    except RecursionError:
+        raise UserError(f"recipe {path} nests deeper than TOML readers go") from None
+    if config.get("trust_task_code"):
+        raise UserError(f"recipe {path} sets trust_task_code: a recipe cannot trust its own "
+                        "task code; pass --trust-task-code to `headlab run` to allow it")
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} must look like key=value")

@@ -12,7 +12,7 @@ from headlab.objectives import objective_for
 from headlab.runs.config import RunConfig
 from headlab.runs.inputs import build_data, load_model
 from headlab.runs.placement import Placement
-from headlab.runs.preflight import check_data
+from headlab.runs.preflight import check_data, check_model_config
 from headlab.runs.stages import needle_grid, task_metrics
 
 
@@ -24,7 +24,13 @@ def evaluate_run(cfg: RunConfig, *, reference: str | None = None) -> dict[str, A
     ``reference``: the unpruned model an embedding model's fidelity is measured against
     (its objective needs one); the held-out data are prepared on it.
     """
-    check_data(cfg)  # before the model loads
+    check_data(cfg)  # before the model loads, as its config and the tasks and their code
+    check_model_config(cfg)
+    if any(t != "needle" for t in cfg.tasks):
+        from headlab.evaluate.lm_eval import check_tasks
+
+        check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path,
+                    trust_code=cfg.trust_task_code)
     model = load_model(cfg)
     ref = model
     if objective_for(model).needs_reference:

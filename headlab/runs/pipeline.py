@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from headlab._util.checkpoint import Checkpoint
+from headlab._util.checkpoint import Checkpoint, check_identity
 from headlab._util.filecheck import read_config
 from headlab._util.io import atomic_write_json
 from headlab.errors import UserError
@@ -21,6 +21,7 @@ from headlab.models.base import HeadModel
 from headlab.parallel import distributed
 from headlab.results import RunResult
 from headlab.runs.config import RunConfig, resolve_device
+from headlab.runs.identity import config_identity, token_identity
 from headlab.runs.inputs import build_data, load_model
 from headlab.runs.lock import RunLock, remove_stale_temps
 from headlab.runs.placement import Placement
@@ -44,7 +45,8 @@ def set_status(out: Path, status: str, **extra: Any) -> None:
     atomic_write_json(out / "status.json", {"status": status, "time": now(), **extra})
 
 
-def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, RunResult]:
+def run(cfg: RunConfig | None, *, resume: Path | None = None,
+        recipe: Path | None = None) -> tuple[Path, RunResult]:
     """Carry out a prune or score run; return its directory and result.
 
     The model and data are loaded and the target checked against the model's heads
@@ -52,27 +54,34 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     on status.json says running / interrupted / failed / complete, and checkpoints let
     ``resume=RUN_DIR`` finish an interrupted run with the result an uninterrupted one
     would have had. Under torchrun every rank computes, rank 0 alone writes.
+    ``recipe``: the file ``cfg`` was read from, an input the run must not write over.
     """
     if resume is not None:
         cfg = resume_config(resume)
     cfg = cfg.validated()
     distributed.init_from_env(resolve_device(cfg.device))
     writes = Placement.here().writes  # rank 0 alone: the directory, its status and lock
-    out = resume or (Path(cfg.out) if cfg.out else default_out(cfg))
+    out = resume or (Path(cfg.out) if cfg.out is not None else default_out(cfg))
     if writes:
-        check_run(cfg, out, resume=resume is not None)  # before the model loads
+        check_run(cfg, out, resume=resume is not None, recipe=recipe)  # before the model loads
     if resume is None and out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise UserError(f"run directory {out} already exists; pass --overwrite or another --out")
     out = Path(distributed.broadcast(str(out)))
+    if any(t != "needle" for t in cfg.tasks):  # a bad task fails now, not at the end
+        from headlab.evaluate.lm_eval import check_tasks
+
+        check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path,
+                    trust_code=cfg.trust_task_code)
+    if resume is not None:  # the checkpoint is this configuration's, before loading
+        check_identity(out, config_identity(cfg))
     model = load_model(cfg)
     n_keep = None
     if cfg.command == "prune":
         n_keep = _target(cfg, model)
-    if any(t != "needle" for t in cfg.tasks):  # a bad task name fails now, not at the end
-        from headlab.evaluate.lm_eval import check_tasks
-
-        check_tasks([t for t in cfg.tasks if t != "needle"], cfg.include_path)
     scoring, heldout, seq_len = build_data(cfg, model)
+    identity = {**config_identity(cfg), **token_identity(scoring, heldout)}
+    if resume is not None:  # and so are the tokens
+        check_identity(out, identity)
     lock = None
     if writes:
         out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +94,7 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     stage = Stage(cfg, out, model, scoring, heldout, seq_len, Placement.here(model))
     try:
         distributed.barrier()
-        stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every)
+        stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every, identity=identity)
         result = stage.prune(n_keep) if n_keep is not None else stage.score_only()
     except KeyboardInterrupt as exc:
         if writes:

@@ -36,13 +36,19 @@ log = logging.getLogger("headlab")
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer")
 _HEAD_KEYS = ("num_attention_heads", "n_head")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_POSITION_KEYS = ("max_position_embeddings", "n_positions")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DISK_MARGIN = 1.2  # the save needs the model plus config, tokenizer and report
 
 
-def check_run(cfg: RunConfig, out: Path, *, resume: bool) -> None:
-    """Refuse (UserError) what would make ``cfg``'s run fail after its model loads."""
+def check_run(cfg: RunConfig, out: Path, *, resume: bool,
+              recipe: Path | None = None) -> None:
+    """Refuse (UserError) what would make ``cfg``'s run fail after its model loads, or
+    write into its inputs."""
     check_out(out, resume=resume)
+    check_apart(cfg, out, recipe=recipe)
+    check_model_config(cfg)
     check_data(cfg)
     heads, params = model_size(cfg.model)
     if cfg.command == "prune" and heads is not None and cfg.unit == "head":
@@ -73,6 +79,95 @@ def check_out(out: Path, *, resume: bool) -> None:
                              "to end or give another --out", pid=pid)
     if resume and not out.is_dir():
         raise UserError(f"--resume {out}: no such run directory")
+
+
+def check_apart(cfg: RunConfig, out: Path, *, recipe: Path | None = None) -> None:
+    """The run directory neither is, lies inside, nor contains an input: the model's
+    directory or file, a data file, the task folder, or the recipe (or its folder), so
+    a run (with --overwrite or not) never writes over or deletes what it reads."""
+    inputs = [("--model", _model_path(cfg.model))]
+    inputs += [(f"--{key.replace('_', '-')}", Path(getattr(cfg, key)))
+               for key in ("data", "calib_data", "eval_data", "include_path")
+               if getattr(cfg, key) and Path(getattr(cfg, key)).exists()]
+    if recipe is not None:
+        inputs.append(("the recipe", Path(recipe)))
+    where = Path(out).resolve()
+    for flag, path in inputs:
+        if path is None:
+            continue
+        path = path.resolve()
+        inside = where.is_relative_to(path) and (path.is_dir() or where == path)
+        if flag == "the recipe":  # beside a recipe is fine, its own folder is not
+            inside = where in (path, path.parent)
+        if inside or path.is_relative_to(where):
+            relation = "is" if where == path else "contains" if path.is_relative_to(
+                where) else "lies inside"
+            raise UserError(f"--out {out} {relation} {flag} {path}: a run must not write "
+                            "over its inputs; give another --out")
+
+
+def _model_path(name: str) -> Path | None:
+    """The local directory or file a model name reads; None for a hub id."""
+    if name in BUNDLED:
+        return bundled_path(name)
+    return Path(name) if Path(name).exists() else None
+
+
+def check_model_config(cfg: RunConfig) -> None:
+    """What the model's config.json and the environment tell against the options: a
+    head count that is a positive whole number dividing the hidden size, a per-layer
+    minimum within it, lengths within the positions, torchrun for --shard."""
+    if cfg.shard is not None and "WORLD_SIZE" not in os.environ:
+        raise UserError(f"--shard {cfg.shard} splits the weights across torchrun ranks: start "
+                        "it with torchrun --nproc-per-node N -m headlab ..., or drop --shard")
+    found = _config_file(cfg.model)
+    if found is None:
+        return
+    path, config = found
+    values = {}
+    for what, keys in (("layers", _LAYER_KEYS), ("heads", _HEAD_KEYS)):
+        key = next((k for k in keys if k in config), None)
+        if key is None:
+            return
+        value = config[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{path}: {key} must be a whole number >= 1, got {value!r}; the "
+                            "model's config is broken")
+        values[what] = value
+    heads = values["heads"]
+    hidden = next((config[k] for k in _HIDDEN_KEYS if k in config), None)
+    if ("head_dim" not in config and isinstance(hidden, int) and not isinstance(hidden, bool)
+            and hidden % heads):
+        raise UserError(f"{path}: the hidden size {hidden} is not divisible by the "
+                        f"{heads} attention heads; the model's config is broken")
+    if cfg.min_heads_per_layer > heads:
+        raise UserError(f"--min-heads-per-layer {cfg.min_heads_per_layer} is more than the "
+                        f"{heads} heads of each layer of {cfg.model}")
+    positions = next((config[k] for k in _POSITION_KEYS if k in config), None)
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        lengths = [("--calib-seq-len", cfg.calib_seq_len), ("--eval-seq-len", cfg.eval_seq_len),
+                   *(("--needle-lengths", n) for n in cfg.needle_lengths)]
+        for flag, n in lengths:
+            if n is not None and n > positions:
+                raise UserError(f"{flag} {n} is beyond the {positions} positions of "
+                                f"{cfg.model}; give at most {positions}")
+
+
+def _config_file(name: str) -> tuple[Path, dict[str, Any]] | None:
+    """(config.json, the model's own config in it) where a local model has one."""
+    path = _model_dir(name)
+    if path is None or not (path / "config.json").is_file():
+        return None
+    config = read_config(path / "config.json")
+    inner = config.get("config") if is_headlab(config) else config
+    return (path / "config.json", inner) if isinstance(inner, dict) else None
+
+
+def _model_dir(name: str) -> Path | None:
+    path = bundled_path(name) if name in BUNDLED else Path(name)
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_cache_dir(path)
+    return path if path.is_dir() else None
 
 
 def check_data(cfg: RunConfig) -> None:

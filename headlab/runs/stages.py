@@ -80,7 +80,8 @@ def task_metrics(cfg: RunConfig, model: HeadModel) -> dict[str, dict[str, Any]]:
 
     return run_tasks(model, [t for t in cfg.tasks if t != "needle"],
                      include_path=cfg.include_path, limit=cfg.limit,
-                     num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size, seed=cfg.seed)
+                     num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size, seed=cfg.seed,
+                     trust_code=cfg.trust_task_code)
 
 
 def needle_grid(cfg: RunConfig, model: HeadModel) -> NeedleResult:
