@@ -22,8 +22,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,
 )
+
+
+class _LineFormatter(logging.Formatter):
+    """One format at every verbosity: ``warning: ...`` and ``error: ...`` as the CLI's
+    own errors print, progress notes bare."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        if record.levelno >= logging.ERROR:
+            return f"error: {message}"
+        return f"warning: {message}" if record.levelno >= logging.WARNING else message
 
 
 def setup(quiet: bool, json_mode: bool) -> None:
@@ -41,8 +52,7 @@ def setup(quiet: bool, json_mode: bool) -> None:
     level = logging.WARNING if quiet or json_mode else logging.INFO
     level = logging.ERROR if other_rank else level
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"
-                                           if level > logging.INFO else "%(message)s"))
+    handler.setFormatter(_LineFormatter())
     root = logging.getLogger("headlab")
     root.handlers[:] = [handler]
     root.setLevel(level)
