@@ -100,3 +100,33 @@ def test_one_warning_format_at_every_verbosity(capsys):
     assert lines[0] == lines[1] == f"warning: {BUNDLED_WARNING}"
     assert "--data" not in BUNDLED_WARNING.split("(")[0]  # headlab run names `data`
     assert "data in a recipe" in BUNDLED_WARNING
+
+
+def _summary(**over) -> dict:
+    base = {"run_dir": "r", "model": "m", "method": "michel", "metric": "perplexity",
+            "quality_before": 20.0, "quality_after": None, "quality_pruned": None,
+            "recovery": None, "heads_total": 72, "heads_kept": None, "params_before": 10**7,
+            "params_after": None, "latency_ms_before": None, "latency_ms_after": None,
+            "report": "r/report.html", "results": "r/results.json", "model_dir": None,
+            "scores": "r/importance.csv", "top_heads": [[3, 7, 0.45], [2, 6, 0.44]]}
+    return {**base, **over}
+
+
+def test_score_prints_top_heads_and_where_the_scores_are(capsys):
+    from headlab.cli.common import print_summary
+
+    print_summary(_summary(), json_mode=False, quiet=False)
+    out = capsys.readouterr().out
+    assert "top heads: L3H7 0.45, L2H6 0.44" in out and "scores:  r/importance.csv" in out
+    assert "after" not in out and "latency" not in out  # nothing a score run measures
+
+
+def test_latency_in_human_units(capsys):
+    from headlab.cli.common import human_ms, print_summary
+
+    assert [human_ms(v) for v in (12.34, 26060.0, 180_000.0)] == ["12.3 ms", "26.1 s", "3 min"]
+    print_summary(_summary(heads_kept=36, params_after=5 * 10**6, quality_after=25.0,
+                           latency_ms_before=26060.0, latency_ms_after=850.0),
+                  json_mode=False, quiet=False)
+    out = capsys.readouterr().out
+    assert "26.1 s" in out and "850 ms" in out and "e+0" not in out
