@@ -66,6 +66,12 @@ class HeadScores:
     def tensor(self) -> torch.Tensor:
         return torch.tensor(self.scores, dtype=torch.float64)
 
+    def top(self, k: int = 10) -> list[tuple[int, int, float]]:
+        """The ``k`` highest-scoring present heads as (layer, head, score)."""
+        flat = [(layer, head, v) for layer, row in enumerate(self.scores)
+                for head, v in enumerate(row) if not math.isnan(v)]
+        return sorted(flat, key=lambda x: -x[2])[:k]
+
     def to_json(self) -> dict:
         d = asdict(self)
         d["scores"] = [[None if math.isnan(v) else v for v in row] for row in self.scores]

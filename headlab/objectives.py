@@ -346,6 +346,26 @@ def prepare(model: HeadModel, blocks: Blocks, *, batch_size: int = DEFAULT_BATCH
     return objective.prepare(model, blocks, batch_size=batch_size, seed=seed)
 
 
+def loss(model: HeadModel, ids: torch.Tensor | str,
+         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A causal LM's mean next-token loss (nats) on input ids (B, S) or a text, as a
+    scalar tensor (gradients flow; wrap in ``torch.no_grad()`` to skip them). Hooks in
+    force (`headlab.hooks`, an ablation) apply, so a loss change reads directly."""
+    objective = objective_for(model)
+    if not isinstance(objective, CausalLM):
+        raise UserError(f"headlab.loss reads next-token loss, which a {model.kind} model "
+                        "has not; measure it on prepared blocks instead: "
+                        "headlab.evaluate(model, headlab.prepare(model, blocks)).loss")
+    if isinstance(ids, str):
+        ids = torch.tensor([model.tokenizer(ids)["input_ids"]])
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    mean, count, _ = objective.example_losses(model, {"input_ids": ids, "attention_mask": mask})
+    if not float(count.sum()):
+        raise UserError(f"input ids of shape {tuple(ids.shape)} hold no pair of real tokens "
+                        "to score: give at least two tokens")
+    return (mean * count).sum() / count.sum()
+
+
 def make_blocks(data: TextData, tokenizer, *, kind: str, seq_len: int,
                 max_tokens: int | None = None) -> Blocks:
     """Tokenise ``data`` for a model of ``kind`` into at most ``max_tokens`` tokens, in

@@ -226,3 +226,36 @@ def test_shell_quoting_in_blocks_is_bash():
             if b.lang in SHELLS and not b.skip:
                 for command in shell_lines(b.code):
                     shlex.split(command, comments=True)
+
+
+def _code_lines(code: str) -> int:
+    return sum(1 for line in code.splitlines()
+               if line.strip() and not line.strip().startswith("#"))
+
+
+def _task_lines(code: str) -> int:
+    """Lines of code from the one marked ``# 1.`` to the end, less the final print."""
+    lines = code.splitlines()
+    start = next(i for i, line in enumerate(lines) if "# 1." in line)
+    return _code_lines("\n".join(lines[start:])) - 1
+
+
+def test_interpretability_example_is_no_longer_than_transformerlens():
+    """docs/python-api.md states the line counts of its headlab and TransformerLens
+    versions of the five tasks; they are the blocks' own, headlab's no more."""
+    page = ROOT / "docs" / "python-api.md"
+    text = page.read_text()
+    section = text[text.index("## Interpretability in ten lines"):
+                   text.index("## The attention module")]
+    blocks = [b for b in blocks_of(page) if b.lang == "python" and "# 1." in b.code]
+    ours = next(b for b in blocks if "transformer_lens" not in b.code)
+    theirs = next(b for b in blocks if "transformer_lens" in b.code)
+    assert ours.skip is None and theirs.skip
+    counts = re.search(r"headlab (\d+) lines, TransformerLens (\d+); the five tasks "
+                       r"themselves \(from\s+the capture to the patch\) take (\d+) lines with "
+                       r"headlab and (\d+) with TransformerLens", section)
+    assert counts, "the section states both counts"
+    stated = [int(g) for g in counts.groups()]
+    assert stated == [_code_lines(ours.code), _code_lines(theirs.code),
+                      _task_lines(ours.code), _task_lines(theirs.code)]
+    assert stated[0] <= stated[1] and stated[2] <= stated[3] and stated[2] <= 10

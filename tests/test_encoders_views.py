@@ -73,7 +73,7 @@ def test_bertviz_input_uses_the_family_special_tokens(with_tokenizer):
     with capture(model, "pattern") as cap, torch.no_grad():
         model(enc["input_ids"], enc["attention_mask"])
     assert len(attention) == model.n_layers
-    for layer, pattern in enumerate(cap.stack("pattern")):
+    for layer, pattern in enumerate(cap.per_layer("pattern")):
         assert_close(attention[layer], pattern, atol=0, rtol=0)
     page = attention_html(model, "The cat sat on the mat.").page
     # the page's data holds the tokens as JSON with "<" and ">" escaped

@@ -267,7 +267,7 @@ def test_memory_estimate_counts_only_present_heads(tiny_gpt2, ids):
         tiny_gpt2(ids)
     with torch.no_grad(), capture(tiny_gpt2, ["pattern", "z"], heads=[0, 1]) as cap:
         tiny_gpt2(ids)
-    assert [t.shape[1] for t in cap.stack("pattern")] == [0, 2, 1]
+    assert [t.shape[1] for t in cap.per_layer("pattern")] == [0, 2, 1]
     assert cap.nbytes() == err.value.needed
 
 

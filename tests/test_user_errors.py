@@ -460,7 +460,7 @@ def test_a_real_full_disk_fails_the_run_cleanly(tiny_gpt2_dir, tmp_path):
              "0.5", "--method", "random", "--schedule", "one-shot", "--recover", "none",
              "--data", str(data), "--max-tokens", "512", "--seq-len", "32", "--out", str(out),
              "-q"], capture_output=True, text=True, env=ENV, timeout=600)
-        errors = [line for line in r.stderr.splitlines() if not line.startswith("WARNING:")]
+        errors = [line for line in r.stderr.splitlines() if not line.startswith("warning:")]
         assert_one_line(r.returncode, "\n".join(errors), "No space left on device")
         assert "MB free" in r.stderr  # warned before the model loaded
         assert json.loads((out / "status.json").read_text())["status"] == "failed"

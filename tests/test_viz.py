@@ -63,7 +63,7 @@ def _captured(model, text, text_b=None):
     kwargs = {"token_type_ids": enc["token_type_ids"]} if text_b is not None else {}
     with torch.no_grad(), headlab.capture(model, "pattern") as cap:
         model(enc["input_ids"], attention_mask=enc["attention_mask"], **kwargs)
-    return [p.float() for p in cap.stack("pattern")], cap
+    return [p.float() for p in cap.per_layer("pattern")], cap
 
 
 def _bertviz_params(view) -> dict:

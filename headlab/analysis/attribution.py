@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from headlab.attention.hooks import capture
+from headlab.data.tokens import token_id
 from headlab.errors import UserError
 from headlab.importance import HeadScores
 from headlab.models.base import DecoderLM, HeadModel
@@ -108,16 +109,6 @@ class LogitAttribution:
                 f"{header}</tr>{''.join(rows)}</table></div>")
 
 
-def _token_id(tokenizer, token: str | int) -> tuple[int, str]:
-    if isinstance(token, int):
-        return token, tokenizer.decode([token]) if tokenizer is not None else str(token)
-    ids = tokenizer(token, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        raise UserError(f"{token!r} is {len(ids)} tokens for this tokenizer; target and foil "
-                        "must be one token each (mind the leading space, e.g. ' Paris')")
-    return ids[0], token
-
-
 @torch.no_grad()
 def logit_attribution(model: HeadModel, text: str | torch.Tensor, *, target: str | int,
                       foil: str | int, position: int | None = None) -> LogitAttribution:
@@ -133,8 +124,8 @@ def logit_attribution(model: HeadModel, text: str | torch.Tensor, *, target: str
     ids = ids.to(model.device)
     default = objective_for(model).logit_position(ids, tok)  # refuses models without logits
     position = default if position is None else position
-    t_id, t_name = _token_id(tok, target)
-    f_id, f_name = _token_id(tok, foil)
+    t_id, t_name = token_id(tok, target)
+    f_id, f_name = token_id(tok, foil)
     if isinstance(model, DecoderLM):
         return _decoder(model, ids, t_id, t_name, f_id, f_name, position, text)
     if isinstance(model, Bert):

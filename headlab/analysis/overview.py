@@ -47,7 +47,7 @@ def overview(model: HeadModel, heldout: Blocks, *, sample_tokens: int, seed: int
         model(ids.to(model.device), attention_mask=valid.to(model.device))
     # (L, H0, S, S): heads a pruned model no longer has stay all-zero
     full = torch.zeros(model.n_layers, model.n_original_heads, n, n)
-    for layer, (pat, ids_l) in enumerate(zip(cap.stack("pattern"), model.head_ids(),
+    for layer, (pat, ids_l) in enumerate(zip(cap.per_layer("pattern"), model.head_ids(),
                                             strict=True)):
         full[layer, ids_l] = pat[0].float().cpu()
     tokens = tok.convert_ids_to_tokens(ids[0].tolist())
@@ -64,7 +64,7 @@ def overview(model: HeadModel, heldout: Blocks, *, sample_tokens: int, seed: int
         toks = [tok.convert_ids_to_tokens(bids[0].tolist())]
         roles = TokenRoles.from_tokens(toks, cls_token=tok.cls_token, sep_token=tok.sep_token,
                                        valid=bmask.bool())
-        acc.update([p.float().cpu() for p in cap.stack("pattern")], roles,
+        acc.update([p.float().cpu() for p in cap.per_layer("pattern")], roles,
                    head_ids=model.head_ids())
     stats = acc.result()
     clusters = None

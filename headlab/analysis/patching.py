@@ -20,31 +20,58 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
+from headlab._util.progress import track
 from headlab.attention.hooks import capture, hooks
+from headlab.data.tokens import prompt_ids, token_ids
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 
-__all__ = ["PatchingResult", "logit_diff", "patch", "patched_metric"]
+__all__ = ["LogitDiff", "PatchingResult", "logit_diff", "patch", "patched_metric"]
 
 SITES = {"z": 2, "q": 2, "pattern": 1}  # the dim that holds heads
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def logit_diff(target: torch.Tensor, foil: torch.Tensor, position: int = -1) -> Metric:
-    """A metric: logit(target[i]) - logit(foil[i]) at ``position`` of example i.
-    ``metric(logits (B, S, V), index (B,)) -> (B,)``."""
-    def metric(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        last = logits[:, position].double()  # (B, V)
+Tokens = torch.Tensor | int | str | Sequence[int | str]
+
+
+@dataclass(frozen=True)
+class LogitDiff:
+    """A metric: logit(target[i]) - logit(foil[i]) at ``position`` of example i, with
+    ``metric(logits (B, S, V), index (B,)) -> (B,)``. Tokens given as text are read by
+    the tokenizer `for_tokenizer` binds (`patch` binds the model's); one token stands
+    for every example."""
+
+    target: Tokens
+    foil: Tokens
+    position: int = -1
+    tokenizer: object = None
+
+    def for_tokenizer(self, tokenizer) -> LogitDiff:
+        return self if self.tokenizer is not None else replace(self, tokenizer=tokenizer)
+
+    def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        last = logits[:, self.position].double()  # (B, V)
         rows = torch.arange(len(index), device=last.device)
-        t, f = target.to(last.device)[index], foil.to(last.device)[index]
+        t, f = (self._pick(x, index).to(last.device) for x in (self.target, self.foil))
         return last[rows, t] - last[rows, f]
-    return metric
+
+    def _pick(self, tokens: Tokens, index: torch.Tensor) -> torch.Tensor:
+        ids = token_ids(self.tokenizer, tokens)  # (N,) or (1,)
+        return ids.expand(len(index)) if len(ids) == 1 else ids[index.to(ids.device)]
+
+
+def logit_diff(target: Tokens, foil: Tokens, position: int = -1, *,
+               tokenizer=None) -> LogitDiff:
+    """The `LogitDiff` metric: targets and foils as ids (N,), one-token strings
+    (``" Mary"``), or one token for every example."""
+    return LogitDiff(target, foil, position, tokenizer)
 
 
 @dataclass
@@ -102,11 +129,16 @@ class PatchingResult:
 
 
 @torch.no_grad()
-def patch(model: HeadModel, clean: torch.Tensor, corrupted: torch.Tensor, *, metric: Metric,
+def patch(model: HeadModel, clean: torch.Tensor | Sequence[str],
+          corrupted: torch.Tensor | Sequence[str], *, metric: Metric,
           site: str = "z", heads: dict[int, list[int]] | None = None, batch_size: int = 8,
           n_boot: int = 1000, seed: int = 0) -> PatchingResult:
     """Patch each head (or only ``heads``: {layer: original ids}) between ``clean`` and
-    ``corrupted`` input ids (N, S), measured by ``metric`` (see `logit_diff`)."""
+    ``corrupted`` prompts, input ids (N, S) or texts of equal token counts, measured
+    by ``metric`` (see `logit_diff`)."""
+    clean, corrupted = (prompt_ids(model.tokenizer, p) for p in (clean, corrupted))
+    if isinstance(metric, LogitDiff):
+        metric = metric.for_tokenizer(model.tokenizer)
     if site not in SITES:
         raise UserError(f"patching site {site!r}: choose from {', '.join(SITES)}")
     if clean.shape != corrupted.shape or clean.dim() != 2:
@@ -123,7 +155,8 @@ def patch(model: HeadModel, clean: torch.Tensor, corrupted: torch.Tensor, *, met
                 if heads is None or h in heads.get(i, ())]
         shape = (model.n_layers, model.n_original_heads)
         per_pair = {"denoise": {}, "noise": {}}
-        for layer, pos, head in jobs:
+        for layer, pos, head in track(jobs, total=len(jobs),
+                                      description=f"patching {len(jobs)} heads, both ways"):
             per_pair["denoise"][layer, head] = _patched(model, corrupted, cache_clean, metric,
                                                         site, {layer: [pos]}, batch_size)
             per_pair["noise"][layer, head] = _patched(model, clean, cache_corr, metric,
@@ -178,6 +211,8 @@ def patched_metric(model: HeadModel, receiver: torch.Tensor, donor: torch.Tensor
                    batch_size: int = 8) -> torch.Tensor:
     """The metric (N,) on ``receiver`` ids with the ``heads`` ({layer: original ids}) at
     ``site`` all taken at once from the run on ``donor`` ids."""
+    if isinstance(metric, LogitDiff):
+        metric = metric.for_tokenizer(model.tokenizer)
     source, _ = _run(model, donor, metric, site, batch_size)
     where = {}
     for layer, ids in heads.items():

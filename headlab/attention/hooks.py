@@ -11,6 +11,9 @@ Every attention block exposes (shapes for one forward):
     blocks.{i}.resid_pre / resid_mid / resid_post   (B, S, E)
 Hooking ``scores`` or ``pattern`` switches that block to the eager path for the call,
 so a capture is never silently empty.
+
+The module is also the function: ``headlab.hooks(model, fns)`` calls `hooks`, while
+``headlab.hooks.ablate_heads`` and ``headlab.hooks.mean_z`` stay its functions.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from headlab._util.modules import make_callable
 from headlab.attention import MultiHeadAttention
 from headlab.attention.hookpoint import HookPoint
 from headlab.errors import CaptureTooLargeError
@@ -105,12 +109,40 @@ class Capture:
     def items(self):
         return self.tensors.items()
 
-    def stack(self, kind: str = "pattern") -> list[torch.Tensor]:
+    def per_layer(self, kind: str = "pattern") -> list[torch.Tensor]:
         """The captured tensors of one kind, one per layer in order (heads may differ)."""
-        names = sorted(
-            (n for n in self.tensors if n.endswith(f".{kind}")), key=lambda n: layer_of(n) or 0
-        )
-        return [self.tensors[n] for n in names]
+        return [self.tensors[n] for n in self._names(kind)]
+
+    def stack(self, kind: str = "pattern") -> torch.Tensor:
+        """The captured tensors of one kind as one tensor, layers first: (L, B, H, S, T)
+        for ``pattern``, (L, B, S, H, D) for ``z``, (L, B, S, E) for ``out``. Where
+        layers hold different heads (a pruned model), the head dim spans every original
+        head id any layer holds, in order, and a head a layer lacks is NaN."""
+        names = self._names(kind)
+        tensors = [self.tensors[n] for n in names]
+        ids = [self.head_ids.get(n) for n in names]
+        if all(t.shape == tensors[0].shape for t in tensors) and all(i == ids[0] for i in ids):
+            return torch.stack(tensors)
+        dim = _HEAD_DIM[kind]
+        union = sorted({h for i in ids for h in i})
+        shape = list(tensors[0].shape)
+        shape[dim] = len(union)
+        dtype = tensors[0].dtype if tensors[0].is_floating_point() else torch.float32
+        out = torch.full((len(tensors), *shape), math.nan, dtype=dtype,
+                         device=tensors[0].device)
+        for layer, (t, i) in enumerate(zip(tensors, ids, strict=True)):
+            index = torch.tensor([union.index(h) for h in i], dtype=torch.long,
+                                 device=t.device)
+            out[layer].index_copy_(dim, index, t.to(dtype))
+        return out
+
+    def _names(self, kind: str) -> list[str]:
+        names = sorted((n for n in self.tensors if n.endswith(f".{kind}")),
+                       key=lambda n: layer_of(n) or 0)
+        if not names:
+            raise KeyError(f"no {kind!r} tensors were captured; captured: "
+                           f"{list(self.tensors)[:8]}")
+        return names
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -331,3 +363,6 @@ def mean_z(
     if not count or math.isnan(count):
         raise ValueError("mean_z needs at least one valid token")
     return {layer: (s / count).float() for layer, s in sums.items()}
+
+
+make_callable(__name__, lambda: hooks)

@@ -22,8 +22,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,
 )
+
+
+class _LineFormatter(logging.Formatter):
+    """One format at every verbosity: ``warning: ...`` and ``error: ...`` as the CLI's
+    own errors print, progress notes bare."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        if record.levelno >= logging.ERROR:
+            return f"error: {message}"
+        return f"warning: {message}" if record.levelno >= logging.WARNING else message
 
 
 def setup(quiet: bool, json_mode: bool) -> None:
@@ -41,8 +52,7 @@ def setup(quiet: bool, json_mode: bool) -> None:
     level = logging.WARNING if quiet or json_mode else logging.INFO
     level = logging.ERROR if other_rank else level
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"
-                                           if level > logging.INFO else "%(message)s"))
+    handler.setFormatter(_LineFormatter())
     root = logging.getLogger("headlab")
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -119,7 +129,25 @@ def summary(result: RunResult, out: Path) -> dict:
         "latency_ms_after": lat.after if lat else None,
         "report": str(out / "report.html"), "results": str(out / "results.json"),
         "model_dir": str(out / "model") if (out / "model").exists() else None,
+        "scores": str(out / "importance.csv") if (out / "importance.csv").exists() else None,
+        "top_heads": _top_heads(result.importance, 5),
     }
+
+
+def _top_heads(importance: list[list[float]], k: int) -> list[list]:
+    """The ``k`` highest-scoring heads as [layer, head, score]."""
+    flat = [[layer, head, v] for layer, row in enumerate(importance or [])
+            for head, v in enumerate(row) if v is not None and v == v]
+    return sorted(flat, key=lambda x: -x[2])[:k]
+
+
+def human_ms(ms: float | None) -> str:
+    """A duration in milliseconds as a person reads it: 850 ms, 26.1 s, 3.2 min."""
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{ms:.3g} ms"
+    return f"{ms / 1000:.3g} s" if ms < 60_000 else f"{ms / 60_000:.3g} min"
 
 
 def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
@@ -141,19 +169,33 @@ def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
             return f"{v:,}"
         return str(v)
 
+    pruned = summary["heads_kept"] is not None  # a score run removes nothing
     t = Table(title=f"headlab: {summary['model']} ({summary['method']})", show_header=True)
     t.add_column("")
-    t.add_column("before", justify="right")
-    t.add_column("after", justify="right")
-    t.add_row(f"held-out {summary['metric']}", fmt(summary["quality_before"]),
-              fmt(summary["quality_after"]))
+    t.add_column("before" if pruned else "model", justify="right")
+    if pruned:
+        t.add_column("after", justify="right")
+    rows = [(f"held-out {summary['metric']}", fmt(summary["quality_before"]),
+             fmt(summary["quality_after"]))]
     if summary["recovery"]:
-        t.add_row(f"  pruned, before {summary['recovery']}", "", fmt(summary["quality_pruned"]))
-    t.add_row("heads", fmt(summary["heads_total"]), fmt(summary["heads_kept"]))
-    t.add_row("parameters", fmt(summary["params_before"]), fmt(summary["params_after"]))
-    t.add_row("latency (ms)", fmt(summary["latency_ms_before"]), fmt(summary["latency_ms_after"]))
+        rows.append((f"  pruned, before {summary['recovery']}", "",
+                     fmt(summary["quality_pruned"])))
+    rows += [("heads", fmt(summary["heads_total"]), fmt(summary["heads_kept"])),
+             ("parameters", fmt(summary["params_before"]), fmt(summary["params_after"])),
+             ("latency", human_ms(summary["latency_ms_before"]),
+              human_ms(summary["latency_ms_after"]))]
+    for label, before, after in rows:
+        if pruned:
+            t.add_row(label, before, after)
+        elif before not in ("", "-"):
+            t.add_row(label, before)
     console = Console()
     console.print(t)
+    if not pruned and summary["top_heads"]:
+        console.print("top heads: " + ", ".join(f"L{layer}H{head} {v:.4g}"
+                                                for layer, head, v in summary["top_heads"]))
+    if summary["scores"]:
+        console.print(f"scores:  {summary['scores']}")
     console.print(f"report:  {summary['report']}")
     console.print(f"results: {summary['results']}")
     if summary["model_dir"]:

@@ -10,6 +10,7 @@ import typer
 
 from headlab.cli import options as opt
 from headlab.cli.common import app, guard, setup
+from headlab.errors import UserError
 
 REFERENCE = opt.Opt("reference", Annotated[str | None, typer.Option(
     help="Unpruned model that embedding fidelity is measured against.")])
@@ -17,12 +18,15 @@ NEEDLE = opt.Opt("needle", Annotated[bool, typer.Option(
     help="Needle in a haystack: retrieval of a planted fact per length and depth.")], False)
 LIST_TASKS = opt.Opt("list_tasks", Annotated[bool, typer.Option(
     help="List the lm-eval task names (with --include-path's) and exit.")], False)
+EvalModelOpt = Annotated[str | None, typer.Option(
+    "--model", "-m", help="Bundled name (smollm2-135m, minilm-l6), local directory, .gguf "
+    "file or hub id (not needed with --list-tasks).")]
 _EVAL_PROTOCOL = tuple(o for o in opt.PROTOCOL if o.name not in ("calib_samples",
                                                                   "calib_seq_len"))
 
 
 @app.command(name="eval")
-@opt.takes(opt.Opt("model", opt.ModelOpt, ...), opt.DATA, REFERENCE, _EVAL_PROTOCOL, opt.TASKS,
+@opt.takes(opt.Opt("model", EvalModelOpt), opt.DATA, REFERENCE, _EVAL_PROTOCOL, opt.TASKS,
            NEEDLE, opt.NEEDLE_LENGTHS, LIST_TASKS, opt.DEVICE, opt.PRINT[::-1])
 def eval_(**values) -> None:
     """Measure a model's (or pruned run directory's) quality on the held-out split,
@@ -45,6 +49,9 @@ def eval_(**values) -> None:
         from headlab.runs.config import RunConfig
         from headlab.runs.evaluate import evaluate_run
 
+        if values["model"] is None:
+            raise UserError("eval needs --model: a bundled name, a local directory, a .gguf "
+                            "file or a hub id (a run directory's model/ included)")
         keys = opt.run_keys("eval", values)
         if needle:
             keys["tasks"] = [*keys["tasks"], "needle"]

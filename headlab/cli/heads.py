@@ -93,7 +93,9 @@ def detect(
     seq_len: Annotated[int, typer.Option(help="Tokens per text block or needle prompt.")]
     = 128,
     top: Annotated[int, typer.Option(help="Heads listed per detector.", min=1)] = 5,
-    seed: opt.SeedOpt = opt.D["seed"],
+    seed: Annotated[int, typer.Option(
+        help="Seed of the random repeated tokens and of the needles.", min=0,
+        max=2**63 - 1)] = opt.D["seed"],
     device: opt.DeviceOpt = opt.DEFAULT_DEVICE,
     shard: opt.ShardOpt = None,
     out: Annotated[Path | None, typer.Option(help="Write every score here (JSON).")] = None,
@@ -148,7 +150,7 @@ def validate(
     data: opt.DataOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Token budget for scoring + held-out.")]
     = 4096,
-    seq_len: opt.SeqLenOpt = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per block.")] = 128,
     batch_size: opt.BatchSizeOpt = opt.D["batch_size"],
     n_boot: Annotated[int, typer.Option(help="Bootstrap draws over held-out examples.",
                                         min=1)] = 1000,

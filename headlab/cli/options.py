@@ -57,7 +57,8 @@ DataOpt = Annotated[str | None, typer.Option(
     help="Dataset (name:config:split), .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
 MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
 OutOpt = Annotated[str | None, typer.Option(
-    help="Run directory (default reports/<model>-<method>-keep<k>-<time>/).")]
+    help="Run directory (default reports/<model>-<method>-<target>-<time>/, the target "
+         "keep<k>, prune<n> or score).")]
 TextColumnOpt = Annotated[str | None, typer.Option(help="Text column of the data.")]
 LabelColumnOpt = Annotated[str | None, typer.Option(help="Label column (classifiers).")]
 MaxTokensOpt = Annotated[int, typer.Option(help="Token budget for scoring + held-out.")]
@@ -111,6 +112,8 @@ Protocol = StrEnum("Protocol", [(m, m) for m in PROTOCOLS])
 DEFAULT_PROTOCOL = Protocol(D["eval_protocol"])
 CalibDataOpt = Annotated[str | None, typer.Option(
     help="What scores and what recovery fits on (anything --data takes); default --data.")]
+ScoreCalibDataOpt = Annotated[str | None, typer.Option(
+    help="What the heads are scored on (anything --data takes); default --data.")]
 EvalDataOpt = Annotated[str | None, typer.Option(
     help="Held-out quality data (anything --data takes); default --data. One source for "
          "both is split by documents, none in both.")]
@@ -232,9 +235,9 @@ SCORING = (Opt("normalize", NormalizeOpt), Opt("global_minmax", MinmaxOpt, False
 RECOVERY = (
     Opt("recover", Annotated[Recovery, typer.Option(
         help="Repair after pruning, on the scoring split: lsq refits each layer's output "
-             "projection, bias folds the removed heads' mean in, rescale scales each kept "
-             "head, distill trains briefly toward the unpruned model (after lsq); none "
-             "compares with Michel et al.")], DEFAULT_RECOVERY),
+             "and MLP down projections, bias folds the removed heads' mean in, rescale "
+             "scales each kept head, distill trains briefly toward the unpruned model "
+             "(after lsq); none compares with Michel et al.")], DEFAULT_RECOVERY),
     Opt("recover_ridge", Annotated[float | None, typer.Option(
         help="lsq/rescale: ridge toward the current weights, times mean(diag X^T X).")]),
     Opt("recover_tokens", Annotated[int | None, typer.Option(
@@ -255,6 +258,7 @@ PROTOCOL = (
     Opt("calib_samples", CalibSamplesOpt), Opt("calib_seq_len", CalibSeqLenOpt),
     Opt("eval_protocol", EvalProtocolOpt, DEFAULT_PROTOCOL),
     Opt("eval_seq_len", EvalSeqLenOpt))
+SCORE_PROTOCOL = (Opt("calib_data", ScoreCalibDataOpt), *PROTOCOL[1:])
 TASKS = (Opt("tasks", TasksOpt), Opt("include_path", IncludePathOpt),
          Opt("trust_task_code", TrustTaskCodeOpt, False),
          Opt("limit", LimitOpt), Opt("num_fewshot", NumFewshotOpt))

@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 
 
 BUNDLED_SPEC = "bundled:english"
-BUNDLED_WARNING = ("no --data given: using headlab's bundled English text (~15k words), "
-                   "too small for publishable numbers; name a corpus, e.g. --data enwiki "
-                   "(Wikipedia articles, offline) or wikitext:wikitext-2-raw-v1:test")
+BUNDLED_WARNING = ("no data given (--data, or data in a recipe): using headlab's bundled "
+                   "English text (~15k words), too small for publishable numbers; name a "
+                   "corpus, e.g. enwiki (Wikipedia articles, offline) or "
+                   "wikitext:wikitext-2-raw-v1:test")
 _TEXT_COLUMNS = ("text", "sentence", "content", "document", "review", "question")
 _PAIR_COLUMNS = (("premise", "hypothesis"), ("sentence1", "sentence2"),
                  ("question", "sentence"), ("question1", "question2"))
