@@ -31,7 +31,7 @@ browser:
 	   $(SUDO) apt-get install -y -qq --no-install-recommends chromium chromium-driver)
 
 demo: setup
-	$(BIN)/headlab prune --model smollm2-135m --keep 0.6 --max-tokens 2048 \
+	$(BIN)/headlab prune --model smollm2-135m --data enwiki --keep 0.6 --max-tokens 2048 \
 	  --out reports/demo-smollm2 --overwrite
 
 # ruff, and import-linter's layering contracts (pyproject.toml [tool.importlinter])

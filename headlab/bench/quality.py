@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from headlab.bench._common import BenchResult
+from headlab.bench._data import describe, scoring_and_heldout
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,9 @@ class QualitySizes:
 
     # (bundled model, sequence length, token budget): real models only
     runs: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 128, 4096),
+                                               ("gemma3-270m", 128, 4096),
                                                ("minilm-l6", 128, 8192))
+    data: str | None = "enwiki"  # None: the bundled text
     keep: float = 0.6
     step: float = 0.2
     batch: int = 4
@@ -52,9 +55,7 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> B
 
     res = BenchResult.of_sizes("quality", sizes)
     res.method = {
-        "data": "the bundled English text in blocks of the given length under the token "
-                "budget, split in half (seed 0): scoring blocks choose the heads, held-out "
-                "blocks measure",
+        "data": describe(sizes.data),
         "pruning": f"headlab.prune_to_target(method, keep={sizes.keep}, schedule="
                    f"'iterative', step={sizes.step}) from the unpruned model, for "
                    f"{', '.join(sizes.methods)} and for random with seeds 0, 1, 2 "
@@ -67,11 +68,9 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> B
     }
     for name, seq_len, max_tokens in sizes.runs:
         model = headlab.load(name, device=device)
-        blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
-                                     seq_len=seq_len, max_tokens=max_tokens)
-        scoring, heldout = headlab.split_blocks(blocks, seed=0)
-        result = versus_random(model, headlab.prepare(model, scoring, seed=0),
-                               headlab.prepare(model, heldout, seed=1),
+        scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
+                                               max_tokens=max_tokens, batch_size=sizes.batch)
+        result = versus_random(model, scoring, heldout,
                                method={m: QUALITY_VARIANTS[m][:2] for m in sizes.methods},
                                keep=sizes.keep, step=sizes.step, batch_size=sizes.batch)
         res.checks[f"{name}.result"] = result
@@ -103,11 +102,9 @@ def _validation(res: BenchResult, name: str, seq_len: int, max_tokens: int,
     from headlab.analysis.validation import validate
 
     model = headlab.load(name, device=device)
-    blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
-                                 seq_len=seq_len, max_tokens=max_tokens)
-    scoring, heldout = headlab.split_blocks(blocks, seed=0)
-    found = validate(model, headlab.prepare(model, scoring, seed=0),
-                     headlab.prepare(model, heldout, seed=1), batch_size=sizes.batch,
+    scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
+                                           max_tokens=max_tokens, batch_size=sizes.batch)
+    found = validate(model, scoring, heldout, batch_size=sizes.batch,
                      n_boot=sizes.n_boot, name=name)
     res.method["validation"] = (
         "headlab.analysis.validation.validate: true cost = held-out loss with one head gated off "

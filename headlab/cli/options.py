@@ -54,7 +54,8 @@ RunModelOpt = Annotated[str | None, typer.Option(
 ResumeOpt = Annotated[Path | None, typer.Option(
     help="Continue an interrupted run directory with its own configuration.")]
 DataOpt = Annotated[str | None, typer.Option(
-    help="Dataset (name:config:split), .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
+    help="enwiki (Wikipedia articles, offline, split by article), a dataset "
+         "name:config:split, or a .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
 MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
 OutOpt = Annotated[str | None, typer.Option(
     help="Run directory (default reports/<model>-<method>-<target>-<time>/, the target "

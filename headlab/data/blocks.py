@@ -66,12 +66,26 @@ class Blocks:
         return -(-len(self) // batch_size)
 
 
+def bos_prefix(tokenizer) -> list[int]:
+    """[BOS] where the tokenizer itself opens a text with its beginning-of-text token
+    (Gemma, Llama), else []: the token a causal block starts with, as the model was
+    trained (SmolLM2's and GPT-2's tokenizers add none)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return []
+    ids = tokenizer("a")["input_ids"]
+    return [bos] if ids and ids[0] == bos else []
+
+
 def _stream_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens: int | None,
                    wrapped: bool = False) -> Blocks:
     """One stream of texts (pairs joined by a space) cut into full blocks of seq_len;
-    texts end with EOS, or, ``wrapped``, with [SEP] and every block is [CLS] ... [SEP]."""
+    texts end with EOS, and every block opens with BOS where the tokenizer opens a text
+    with one (`bos_prefix`); or, ``wrapped``, texts end with [SEP] and every block is
+    [CLS] ... [SEP]."""
     sep_id = tokenizer.sep_token_id if wrapped else tokenizer.eos_token_id
-    body = seq_len - 2 if wrapped else seq_len
+    prefix = [] if wrapped else bos_prefix(tokenizer)
+    body = seq_len - 2 if wrapped else seq_len - len(prefix)
     budget = max_tokens if max_tokens is not None else None
     stream: list[int] = []
     texts = data.texts if data.pairs is None else [
@@ -94,6 +108,8 @@ def _stream_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens: int |
             "give more text or a smaller --seq-len"
         )
     ids = torch.tensor(stream[: n_blocks * body], dtype=torch.long).view(n_blocks, body)
+    if prefix:
+        ids = torch.cat([torch.tensor(prefix).expand(n_blocks, len(prefix)), ids], dim=1)
     if wrapped:
         cls = torch.full((n_blocks, 1), tokenizer.cls_token_id, dtype=torch.long)
         sep = torch.full((n_blocks, 1), tokenizer.sep_token_id, dtype=torch.long)
