@@ -65,8 +65,9 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
         raise UserError(f"run directory {out} already exists; pass --overwrite or another --out")
     out = Path(distributed.broadcast(str(out)))
     model = load_model(cfg)
+    # what a prune keeps, or the target a score by learned gates trains toward
     n_keep = None
-    if cfg.command == "prune":
+    if cfg.command == "prune" or cfg.keep is not None or cfg.prune is not None:
         n_keep = _target(cfg, model)
     if any(t != "needle" for t in cfg.tasks):  # a bad task name fails now, not at the end
         from headlab.evaluate.lm_eval import check_tasks
@@ -86,7 +87,7 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None) -> tuple[Path, Run
     try:
         distributed.barrier()
         stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every)
-        result = stage.prune(n_keep) if n_keep is not None else stage.score_only()
+        result = stage.prune(n_keep) if cfg.command == "prune" else stage.score_only(n_keep)
     except KeyboardInterrupt as exc:
         if writes:
             set_status(out, "interrupted", resume=f"headlab {cfg.command} --resume {out}")
