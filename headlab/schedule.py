@@ -16,7 +16,7 @@ from headlab._util.checkpoint import Checkpoint
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.evaluate.quality import evaluate
-from headlab.importance import HeadScores, score
+from headlab.importance import TARGETED, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.parallel import distributed
@@ -140,7 +140,8 @@ def prune_to_target(
 
     def scored(i: int) -> HeadScores:  # the i-th scoring, under the current mask
         return score(current, scoring, method=method, batch_size=batch_size, seed=seed + i,
-                     checkpoint=checkpoint, checkpoint_key=f"{key}/score{i}", **kw)
+                     checkpoint=checkpoint, checkpoint_key=f"{key}/score{i}",
+                     **({"target": n_keep, "unit": unit} if method in TARGETED else {}), **kw)
 
     def repaired(plan: PrunePlan) -> HeadModel:
         if not any(plan.pruned.values()):

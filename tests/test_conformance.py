@@ -41,7 +41,7 @@ from headlab.analysis.patching import logit_diff, patch, patched_metric
 from headlab.attention.hooks import hook_names
 from headlab.detectors import detect, kinds_for
 from headlab.errors import UserError
-from headlab.importance import METHODS, HeadScores, score
+from headlab.importance import METHODS, TARGETED, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
 from headlab.pruning import copy_model, demote, prune
@@ -206,7 +206,9 @@ def test_scores(family, loaded, scoring_blocks):
     """Every importance method gives finite scores, layers x heads."""
     model = loaded(family)
     for method in METHODS:
-        t = score(model, scoring_blocks(family), method=method, batch_size=4, probes=1).tensor()
+        target = {"target": model.n_layers} if method in TARGETED else {}  # gates
+        t = score(model, scoring_blocks(family), method=method, batch_size=4, probes=1,
+                  gate_steps=4, **target).tensor()
         assert t.shape == (model.n_layers, model.n_original_heads), method
         assert bool(torch.isfinite(t).all()), method
 

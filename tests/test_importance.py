@@ -26,7 +26,7 @@ from torch.testing import assert_close
 from headlab.data.blocks import Blocks
 from headlab.data.texts import load_texts
 from headlab.evaluate.quality import evaluate
-from headlab.importance import METHODS, HeadScores, score
+from headlab.importance import METHODS, TARGETED, HeadScores, score
 from headlab.objectives import make_blocks
 
 N, S = 6, 24
@@ -242,7 +242,9 @@ def test_random_is_seeded(tiny_gpt2, blocks):
 def test_masked_and_pruned_heads_are_nan(tiny_gpt2, blocks, method):
     tiny_gpt2.mask_heads({2: [3]})
     tiny_gpt2.prune_heads({0: [0, 1, 2, 3], 1: [1]})  # layer 0 loses every head
-    t = score(tiny_gpt2, blocks.subset([0, 1]), method=method, normalize=False).tensor()
+    target = {"target": 3} if method in TARGETED else {}
+    t = score(tiny_gpt2, blocks.subset([0, 1]), method=method, normalize=False,
+              gate_steps=5, **target).tensor()
     assert t.shape == (3, 4)
     absent = torch.zeros(3, 4, dtype=torch.bool)
     absent[0] = True

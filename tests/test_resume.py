@@ -137,3 +137,23 @@ def test_killed_distillation_resumes_to_identical_run(tiny_gpt2_dir, tmp_path):
     assert ours.keys() == theirs.keys()
     for k in ours:
         assert torch.equal(ours[k], theirs[k]), k
+
+
+def test_killed_gate_training_resumes_to_identical_scores(tiny_gpt2_dir, tmp_path):
+    """Learned gates (`headlab.importance.gates`): the log_alphas, multipliers and
+    AdamW states saved every two steps, each step's noise seeded by its index."""
+    full = tmp_path / "full"
+    cut = tmp_path / "cut"
+    keys = dict(command="score", method="gates", keep=0.5, gate_steps=40, **COMMON)
+    r = _run("run", str(_recipe(tmp_path, tiny_gpt2_dir, "full", out=str(full), **keys)), "-q")
+    assert r.returncode == 0, r.stderr
+    recipe = _recipe(tmp_path, tiny_gpt2_dir, "cut", out=str(cut), **keys)
+    _kill_when(cut, lambda s: "score" in s and s["score"]["step"] >= 6,
+               "run", str(recipe), "-q")
+    assert not (cut / "results.json").exists()
+    r = _run("score", "--resume", str(cut), "-q")
+    assert r.returncode == 0, r.stderr
+    a = json.loads((full / "results.json").read_text())
+    b = json.loads((cut / "results.json").read_text())
+    assert a["importance"] == b["importance"]  # bitwise: the same steps in the same order
+    assert a["data"]["scoring_tokens"] == b["data"]["scoring_tokens"]

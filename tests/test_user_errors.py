@@ -121,6 +121,13 @@ CASES = [
     ("eval -m {model} --data {noise}", "noise.txt is not text"),
     ("prune -m {truncated} --keep 0.5 --out {out}", "truncated or corrupt"),
     ("score --resume {out}", "has no config.json"),
+    ("prune -m smollm2-135m --keep 0.5 --method gates --gate-steps 0 --out {out}",
+     "--gate-steps must be at least 1 training step, got 0"),
+    ("prune -m smollm2-135m --keep 0.5 --method gates --gate-lr -0.1 --out {out}",
+     "--gate-lr must be a positive learning rate, got -0.1"),
+    ("score -m smollm2-135m --method gates --prune 270 --out {out}", "has 270 attention heads"),
+    ("score -m {model} --method gates --out {out}", "give --keep FRACTION or --prune N"),
+    ("score -m {model} --method michel --keep 0.5 --out {out}", "set the target of gates"),
 ]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -27,9 +27,11 @@ def set_enabled(on: bool) -> None:
     _enabled = on
 
 
-def track(items: Iterable[T], *, total: int | None = None, description: str = "") -> Iterator[T]:
+def track(items: Iterable[T], *, total: int | None = None, description: str = "",
+          status: Callable[[], str] | None = None) -> Iterator[T]:
     """Iterate with a bar showing count, rate and ETA when bars are enabled; stop with
-    KeyboardInterrupt once `request_stop` was called."""
+    KeyboardInterrupt once `request_stop` was called. ``status`` (a training loop's loss,
+    say) is shown after the description, read again after each item."""
     if not _enabled:
         for item in items:
             if _stop_requested:
@@ -61,3 +63,5 @@ def track(items: Iterable[T], *, total: int | None = None, description: str = ""
                 raise KeyboardInterrupt
             yield item
             bar.advance(task)
+            if status is not None:
+                bar.update(task, description=f"{description} {status()}")

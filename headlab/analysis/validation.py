@@ -31,7 +31,7 @@ import torch
 from headlab._util.progress import track
 from headlab.data.blocks import Blocks
 from headlab.detectors import detect, kinds_for
-from headlab.importance import METHODS, HeadScores, score
+from headlab.importance import METHODS, TARGETED, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
 
@@ -244,8 +244,10 @@ def validate(model: HeadModel, scoring: Blocks, heldout: Blocks, *,
                     for k in range(len(fractions))]
     random_area = area(random_curve)
     for method in methods:
+        # a method that trains toward a count (gates) aims at half the heads
+        target = {"target": max(1, len(heads) // 2)} if method in TARGETED else {}
         rows.append(check(score(model, scoring, method=method, batch_size=batch_size,
-                                seed=seed), "importance"))
+                                seed=seed, **target), "importance"))
     for kind in kinds_for(model) if detectors is None else detectors:
         rows.append(check(detect(model, kind, seed=seed), "detector"))
     for r in rows:

@@ -34,7 +34,7 @@ def prune(**values) -> None:
 
 
 @app.command()
-@opt.takes(opt.MODEL, opt.METHOD, opt.DATA, opt.SCORING, opt.DEVICE, opt.RUN_DIR,
+@opt.takes(opt.MODEL, opt.TARGET, opt.METHOD, opt.DATA, opt.SCORING, opt.DEVICE, opt.RUN_DIR,
            opt.SCORE_PROTOCOL, opt.TASKS, opt.NEEDLE_LENGTHS, opt.PRINT, opt.RESUME)
 def score(**values) -> None:
     """Score head importance only (results.json, importance.csv, report.html).

@@ -85,6 +85,10 @@ MinmaxOpt = Annotated[bool, typer.Option(
     help="Rescale all scores to [0, 1] (as the bertology script did).")]
 PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
 ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
+GateStepsOpt = Annotated[int, typer.Option(
+    help="gates: AdamW steps training the head gates (one batch each).")]
+GateLrOpt = Annotated[float, typer.Option(
+    help="gates: learning rate of the gates and of the Lagrangian's multipliers.")]
 
 Unit = StrEnum("Unit", [(m, m) for m in UNITS])
 GroupScore = StrEnum("GroupScore", [(m, m) for m in GROUP_SCORES])
@@ -232,7 +236,9 @@ EXPORT = (
     Opt("compare", Annotated[list[Method] | None, typer.Option(
         help="More methods to draw a curve for (repeat the option).")]))
 SCORING = (Opt("normalize", NormalizeOpt), Opt("global_minmax", MinmaxOpt, False),
-           Opt("per_token", PerTokenOpt, False), Opt("probes", ProbesOpt, D["probes"]))
+           Opt("per_token", PerTokenOpt, False), Opt("probes", ProbesOpt, D["probes"]),
+           Opt("gate_steps", GateStepsOpt, D["gate_steps"]),
+           Opt("gate_lr", GateLrOpt, D["gate_lr"]))
 RECOVERY = (
     Opt("recover", Annotated[Recovery, typer.Option(
         help="Repair after pruning, on the scoring split: lsq refits each layer's output "

@@ -18,7 +18,10 @@ import torch
 from headlab.data.protocol import PROTOCOLS
 from headlab.detectors import DECODER_KINDS
 from headlab.errors import UserError
-from headlab.importance import METHODS, PER_TOKEN_METHODS
+from headlab.importance import METHODS, PER_TOKEN_METHODS, TARGETED
+from headlab.importance.gates import DEFAULT_LR as GATE_LR
+from headlab.importance.gates import DEFAULT_STEPS as GATE_STEPS
+from headlab.importance.gates import check_options as check_gate_options
 from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.recovery import RECOVERY_METHODS, TRAINING_FREE
 from headlab.recovery.distill import LORA_SHARDED
@@ -74,6 +77,8 @@ class RunConfig:
     global_minmax: bool = False  # rescale all scores to [0, 1] (the ranking is unchanged)
     per_token: bool = False
     probes: int = 4  # taylor's curvature probes per batch
+    gate_steps: int = GATE_STEPS  # gates: AdamW steps training the head gates
+    gate_lr: float = GATE_LR  # gates: their learning rate (and the multipliers')
     device: str = "auto"
     dtype: str = "float32"
     shard: str | None = None  # "fsdp": weights sharded across torchrun ranks (FSDP2)
@@ -149,6 +154,14 @@ class RunConfig:
                 and self.kv_keep is None):
             raise UserError("prune needs a target: --keep FRACTION (e.g. 0.6), --prune N "
                             "or --kv-keep FRACTION with --unit kv-group")
+        targeted = self.keep is not None or self.prune is not None
+        if self.command == "score" and targeted and self.method not in TARGETED:
+            raise UserError(f"--keep/--prune on score set the target of "
+                            f"{', '.join(TARGETED)}; {self.method} scores without one")
+        if self.command == "score" and self.method in TARGETED and not targeted:
+            raise UserError(f"--method {self.method} trains toward a number of heads to "
+                            "keep: give --keep FRACTION or --prune N")
+        check_gate_options(self.gate_steps, self.gate_lr)
         self._check_kv_cache()
         if self.schedule not in SCHEDULES:
             raise UserError(f"--schedule must be iterative or one-shot, got {self.schedule!r}")

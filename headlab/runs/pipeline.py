@@ -75,8 +75,9 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None,
     if resume is not None:  # the checkpoint is this configuration's, before loading
         check_identity(out, config_identity(cfg))
     model = load_model(cfg)
+    # what a prune keeps, or the target a score by learned gates trains toward
     n_keep = None
-    if cfg.command == "prune":
+    if cfg.command == "prune" or cfg.keep is not None or cfg.prune is not None:
         n_keep = _target(cfg, model)
     scoring, heldout, seq_len = build_data(cfg, model)
     identity = {**config_identity(cfg), **token_identity(scoring, heldout)}
@@ -95,7 +96,7 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None,
     try:
         distributed.barrier()
         stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every, identity=identity)
-        result = stage.prune(n_keep) if n_keep is not None else stage.score_only()
+        result = stage.prune(n_keep) if cfg.command == "prune" else stage.score_only(n_keep)
     except KeyboardInterrupt as exc:
         if writes:
             set_status(out, "interrupted", resume=f"headlab {cfg.command} --resume {out}")

@@ -51,7 +51,8 @@ def check_run(cfg: RunConfig, out: Path, *, resume: bool,
     check_model_config(cfg)
     check_data(cfg)
     heads, params = model_size(cfg.model)
-    if cfg.command == "prune" and heads is not None and cfg.unit == "head":
+    targeted = cfg.keep is not None or cfg.prune is not None  # a score's too (gates)
+    if (cfg.command == "prune" or targeted) and heads is not None and cfg.unit == "head":
         try:
             heads_to_keep(heads, keep=cfg.keep, prune=cfg.prune)
         except UserError as exc:

@@ -118,7 +118,8 @@ class Stage:
         self.place = placement or Placement.here(model)
         self.scoring, self.heldout, self.seq_len = scoring, heldout, seq_len
         self.score_kwargs = {"normalize": cfg.normalize, "global_minmax": cfg.global_minmax,
-                             "per_token": cfg.per_token, "probes": cfg.probes}
+                             "per_token": cfg.per_token, "probes": cfg.probes,
+                             "gate_steps": cfg.gate_steps, "gate_lr": cfg.gate_lr}
 
     def _result(self, scores: HeadScores, **measured: Any) -> RunResult:
         """The run's RunResult: what every run records, plus what this one measured."""
@@ -141,10 +142,12 @@ class Stage:
             importance_normalisation=scores.normalisation,
             config=cfg.to_dict(), created=now(), versions=versions(), **measured)
 
-    def score_only(self) -> RunResult:
+    def score_only(self, target: int | None = None) -> RunResult:
+        """Score the heads; ``target``: the heads (or groups) gates train toward."""
         cfg, model = self.cfg, self.model
         scores = score(model, self.scoring, method=cfg.method, batch_size=cfg.batch_size,
-                       seed=cfg.seed, checkpoint=self.checkpoint, **self.score_kwargs)
+                       seed=cfg.seed, checkpoint=self.checkpoint, target=target,
+                       unit=cfg.unit, **self.score_kwargs)
         q = evaluate(model, self.heldout, batch_size=cfg.batch_size)
         shape = Shape.of(model)
         result = self._result(

@@ -16,111 +16,39 @@
     entropy     minus the mean attention entropy (focused heads rank higher).
     confidence  mean max attention weight (Voita et al. 2019).
     random      seeded uniform scores: the floor every method must beat.
+    gates       learned hard-concrete gates toward a target count of heads (Voita et
+                al. 2019, with CoFi's Lagrangian): the log_alphas (`importance.gates`).
 Scores are returned per original head index; heads already removed or masked are NaN.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from headlab._util.checkpoint import Checkpoint
-from headlab._util.io import atomic_write_json, atomic_write_text
 from headlab._util.progress import track
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
+from headlab.importance import gates
+from headlab.importance.scores import HeadScores, active_heads, to_original
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
 from headlab.parallel import distributed
 
-METHODS = ("michel", "fisher", "taylor", "ablation", "entropy", "confidence", "random")
+METHODS = ("michel", "fisher", "taylor", "ablation", "entropy", "confidence", "random",
+           "gates")
 # Methods whose scores are estimates of the loss increase, in the loss's own units, so
 # comparable across layers as they are: layer-l2 normalisation, which would distort
 # that, is off by default.
 LOSS_ESTIMATES = ("taylor", "ablation")
+# Methods that choose across layers jointly: their scores compare across layers as they
+# are, so layer-l2 normalisation is off by default for them too.
+JOINT = ("gates",)
+TARGETED = ("gates",)  # the methods that need the number of heads (or groups) to keep
 PER_TOKEN_METHODS = ("michel", "fisher")  # the gradient methods a gate per token serves
-
-
-@dataclass
-class HeadScores:
-    """Importance per layer and original head: ``scores[layer][head]`` (NaN = absent)."""
-
-    scores: list[list[float]]
-    method: str
-    data: str = ""
-    n_tokens: int = 0
-    normalisation: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.scores)
-
-    def tensor(self) -> torch.Tensor:
-        return torch.tensor(self.scores, dtype=torch.float64)
-
-    def top(self, k: int = 10) -> list[tuple[int, int, float]]:
-        """The ``k`` highest-scoring present heads as (layer, head, score)."""
-        flat = [(layer, head, v) for layer, row in enumerate(self.scores)
-                for head, v in enumerate(row) if not math.isnan(v)]
-        return sorted(flat, key=lambda x: -x[2])[:k]
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["scores"] = [[None if math.isnan(v) else v for v in row] for row in self.scores]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict | str) -> HeadScores:
-        d = json.loads(d) if isinstance(d, str) else dict(d)
-        d["scores"] = [[math.nan if v is None else float(v) for v in row] for row in d["scores"]]
-        return cls(**d)
-
-    def save(self, path: str | Path) -> None:
-        atomic_write_json(path, self.to_json())
-
-    def to_csv(self) -> str:
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(["layer", "head", "importance"])
-        for layer, row in enumerate(self.scores):
-            for head, v in enumerate(row):
-                w.writerow([layer, head, "" if math.isnan(v) else f"{v:.8g}"])
-        return buf.getvalue()
-
-    def save_csv(self, path: str | Path) -> None:
-        atomic_write_text(path, self.to_csv())
-
-    def _repr_html_(self) -> str:
-        """A layers x heads heatmap as an HTML table (self-contained)."""
-        t = self.tensor()
-        finite = t[~t.isnan()]
-        lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
-        span = (hi - lo) or 1.0
-        cells = []
-        for layer, row in enumerate(self.scores):
-            tds = []
-            for head, v in enumerate(row):
-                if math.isnan(v):
-                    tds.append('<td style="background:#eee" title="removed">·</td>')
-                    continue
-                a = (v - lo) / span
-                color = f"rgba(200,60,30,{0.08 + 0.92 * a:.2f})"
-                tds.append(f'<td style="background:{color}" title="L{layer} H{head}: {v:.4g}">'
-                           f"{v:.2g}</td>")  # unnormalised loss estimates are small
-            cells.append(f"<tr><th>L{layer}</th>{''.join(tds)}</tr>")
-        heads = max(len(r) for r in self.scores)
-        header = "".join(f"<th>H{h}</th>" for h in range(heads))
-        return (f"<div><b>{self.method}</b> importance on {self.data} ({self.n_tokens} tokens)"
-                f'<table style="font-size:11px;border-collapse:collapse"><tr><th></th>{header}'
-                f"</tr>{''.join(cells)}</table></div>")
 
 
 def score(
@@ -136,6 +64,10 @@ def score(
     seed: int = 0,
     checkpoint: Checkpoint | None = None,
     checkpoint_key: str = "score",
+    target: int | None = None,
+    unit: str = "head",
+    gate_steps: int = gates.DEFAULT_STEPS,
+    gate_lr: float = gates.DEFAULT_LR,
 ) -> HeadScores:
     """Score every present, unmasked head of ``model`` on ``blocks``.
 
@@ -152,6 +84,8 @@ def score(
     ``per_token`` (michel, fisher): one gate per example and position, as in the
     authors' code, instead of one per example. ``probes`` (taylor): backward passes per
     batch that estimate the curvature; ``seed`` seeds them (and ``random``).
+    ``target`` (gates): how many units to keep, query heads or, with ``unit="kv-group"``,
+    GQA groups (one gate each); ``gate_steps`` AdamW steps at ``gate_lr`` train them.
     """
     if method not in METHODS:
         raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
@@ -163,11 +97,22 @@ def score(
                          f"not {method}")
     if method == "taylor" and probes < 1:
         raise UserError(f"taylor needs at least one curvature probe per batch, got {probes}")
+    if method in TARGETED and target is None:
+        raise UserError(f"{method} trains toward a number of heads to keep: give a target "
+                        "(--keep or --prune)")
+    if method == "gates":
+        gates.check_options(gate_steps, gate_lr)
+    extra: dict = {}
     if method in ("michel", "fisher", "taylor"):
         raw, n_tokens = _gradient_scores(model, blocks, batch_size, method=method,
                                          per_token=per_token, probes=probes, seed=seed,
                                          n_examples=n_examples, checkpoint=checkpoint,
                                          key=checkpoint_key)
+    elif method == "gates":
+        raw, n_tokens, extra = gates.train_gates(
+            model, blocks, batch_size, target=target, by_group=unit == "kv-group",
+            steps=gate_steps, lr=gate_lr, seed=seed, checkpoint=checkpoint,
+            key=checkpoint_key)
     elif method == "ablation":
         raw, n_tokens = _ablation_scores(model, blocks, batch_size)
     elif method in ("entropy", "confidence"):
@@ -176,9 +121,9 @@ def score(
         gen = torch.Generator().manual_seed(seed)
         raw = [torch.rand(a.n_heads, generator=gen, dtype=torch.float64) for a in model.attentions]
         n_tokens = 0
-    scores = _to_original(model, raw)
+    scores = to_original(model, raw)
     if normalize is None:
-        normalize = method not in LOSS_ESTIMATES
+        normalize = method not in LOSS_ESTIMATES + JOINT
     normalize = normalize and method != "random"
     if normalize:
         scores = _layer_l2(scores)
@@ -189,12 +134,7 @@ def score(
         norm = f"{norm}+minmax" if norm else "minmax"
     return HeadScores(scores.tolist(), method, blocks.spec, n_tokens, norm,
                       {"per_token": per_token, "seed": seed,
-                       **({"probes": probes} if method == "taylor" else {})})
-
-
-def _active(model: HeadModel) -> list[torch.Tensor]:
-    """Per layer, which present heads are not masked (gate != 0)."""
-    return [a.head_gate != 0 for a in model.attentions]
+                       **({"probes": probes} if method == "taylor" else {}), **extra})
 
 
 def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
@@ -289,7 +229,7 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
     acc = [distributed.all_reduce_sum(a) for a in acc]
     (n_tokens,) = distributed.sum_floats(n_tokens)
     n = max(n_examples, 1)
-    return [torch.where(m.cpu(), s / n, torch.nan) for s, m in zip(acc, _active(model),
+    return [torch.where(m.cpu(), s / n, torch.nan) for s, m in zip(acc, active_heads(model),
                                                                      strict=True)], int(n_tokens)
 
 
@@ -352,21 +292,11 @@ def _pattern_scores(model, blocks, batch_size, method):
     for rec in stats.records:
         v = rec["confidence"] if method == "confidence" else -rec["entropy"]
         by_layer[rec["layer"]].append(v)
-    active = _active(model)
+    active = active_heads(model)
     out = [torch.where(m.cpu(), torch.tensor(v, dtype=torch.float64), torch.nan)
            for v, m in zip(by_layer, active, strict=True)]
     (n_tokens,) = distributed.sum_floats(blocks.n_tokens)
     return out, int(n_tokens)
-
-
-def _to_original(model: HeadModel, raw: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Place per-present-head scores at original head indices; absent heads NaN."""
-    out = torch.full((model.n_layers, model.n_original_heads), math.nan, dtype=torch.float64)
-    for i, (a, s) in enumerate(zip(model.attentions, raw, strict=True)):
-        active = a.head_gate.cpu() != 0
-        for p, h in enumerate(a.head_ids.tolist()):
-            out[i, h] = s[p] if active[p] else math.nan
-    return out
 
 
 def _layer_l2(scores: torch.Tensor) -> torch.Tensor:

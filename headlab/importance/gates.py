@@ -1,0 +1,191 @@
+"""Learned head gates (Voita et al. 2019): the heads kept are chosen jointly, by training.
+
+One hard-concrete gate per query head, or per GQA group (Louizos et al. 2018): a
+stochastic gate z = min(1, max(0, s (r - l) + l)), s = sigmoid((log u - log(1 - u) +
+log_alpha) / beta), u ~ U(0, 1), with the temperature beta = 2/3 and the stretch
+(l, r) = (-0.1, 1.1), so that z is exactly 0 or 1 with positive probability and the
+probability that a gate is open, P(z != 0) = sigmoid(log_alpha - beta log(-l / r)), is
+differentiable. Every model weight stays frozen; the log_alphas train with AdamW on the
+calibration blocks to minimise the objective's distillation loss toward the model as it
+came (`Objective.distill_loss`: the KL to its next-token distribution for causal LMs)
+plus the Lagrangian of CoFi / Sheared-LLaMA,
+
+    lambda1 (E - t) + lambda2 (E - t)^2,   E = sum_u P(z_u != 0) / U,  t = target / U,
+
+whose multipliers train by gradient ascent, so the expected number of open gates is
+driven to the target count; the target falls linearly from all units to the count over
+the first half of the steps (CoFi's Lagrangian warm-up). The learned log_alphas are the
+scores: selection keeps the heads (or groups) whose gates are the most open.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from headlab._util.checkpoint import Checkpoint
+from headlab._util.progress import track
+from headlab.data.blocks import Blocks
+from headlab.errors import UserError
+from headlab.models.base import HeadModel
+from headlab.objectives import objective_for
+from headlab.parallel import distributed
+
+BETA, LOW, HIGH = 2 / 3, -0.1, 1.1  # Louizos et al.'s temperature and stretch
+EPS = 1e-6  # keeps the uniform noise off 0 and 1
+INIT_LOG_ALPHA = 3.0  # every gate starts open: P(open) = 0.99
+LOG_ALPHA_BOUNDS = (-10.0, 10.0)
+DEFAULT_STEPS = 100
+DEFAULT_LR = 0.1
+
+
+def p_open(log_alpha: torch.Tensor) -> torch.Tensor:
+    """P(z != 0) of hard-concrete gates with these log_alphas."""
+    return torch.sigmoid(log_alpha - BETA * math.log(-LOW / HIGH))
+
+
+def sample(log_alpha: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Hard-concrete gates in [0, 1] from uniform noise ``u`` (any shape ending in U)."""
+    s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + log_alpha) / BETA)
+    return (s * (HIGH - LOW) + LOW).clamp(0.0, 1.0)
+
+
+def check_options(steps: int, lr: float) -> None:
+    if steps < 1:
+        raise UserError(f"--gate-steps must be at least 1 training step, got {steps}")
+    if not lr > 0 or not math.isfinite(lr):
+        raise UserError(f"--gate-lr must be a positive learning rate, got {lr}")
+
+
+def _units(model: HeadModel, by_group: bool) -> tuple[list[torch.Tensor], int]:
+    """Per layer, the unit of each present head (H,), -1 for a masked head: one unit per
+    active head, or per key/value head with ``by_group``; and the number of units."""
+    index, n = [], 0
+    for a in model.attentions:
+        active = (a.head_gate != 0).cpu()
+        keys = a.kv_index.cpu() if by_group else torch.arange(a.n_heads)
+        ids: dict[int, int] = {}
+        row = []
+        for p in range(a.n_heads):
+            if not active[p]:
+                row.append(-1)
+                continue
+            k = int(keys[p])
+            if k not in ids:
+                ids[k], n = n, n + 1
+            row.append(ids[k])
+        index.append(torch.tensor(row, dtype=torch.long))
+    return index, n
+
+
+def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: int,
+                by_group: bool = False, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
+                seed: int = 0, checkpoint: Checkpoint | None = None, key: str = "gates"
+                ) -> tuple[list[torch.Tensor], int, dict]:
+    """Train the gates of ``model``'s active heads toward ``target`` open units.
+
+    ``blocks`` is this rank's shard; under torchrun data parallel the gates' gradients
+    are averaged over ranks. Returns per layer the log_alpha of each present head (its
+    group's with ``by_group``; NaN where masked), the tokens trained on, and what the
+    training ended at (``expected_open``, ``loss``, the multipliers).
+    """
+    check_options(steps, lr)
+    unit_of, n_units = _units(model, by_group)
+    what = "groups" if by_group else "heads"
+    if not 1 <= target <= max(n_units, 1):
+        raise UserError(f"gates need a target of 1 to {n_units} open {what} (the ones "
+                        f"not yet removed), got {target}")
+    objective = objective_for(model)
+    device = model.device
+    log_alpha = torch.full((n_units,), INIT_LOG_ALPHA, requires_grad=True)
+    lambdas = torch.zeros(2, requires_grad=True)  # lambda1, lambda2
+    gate_opt = torch.optim.AdamW([log_alpha], lr=lr, weight_decay=0.0)
+    # ascent: the multipliers maximise what the gates minimise
+    lambda_opt = torch.optim.AdamW([lambdas], lr=lr, weight_decay=0.0, maximize=True)
+    batches = list(blocks.batches(batch_size))
+    start, n_tokens = 0, 0
+    saved = checkpoint.get(key) if checkpoint is not None else None
+    if saved is not None:
+        start, n_tokens = saved["step"], saved["n_tokens"]
+        with torch.no_grad():
+            log_alpha.copy_(saved["log_alpha"])
+            lambdas.copy_(saved["lambdas"])
+        gate_opt.load_state_dict(saved["gate_opt"])
+        lambda_opt.load_state_dict(saved["lambda_opt"])
+    done = start
+    status = {"loss": math.nan, "open": float(p_open(log_alpha.detach()).sum())}
+
+    def save() -> None:
+        if checkpoint is not None and done > start:
+            checkpoint.put(key, {"step": done, "n_tokens": n_tokens,
+                                 "log_alpha": log_alpha.detach().clone(),
+                                 "lambdas": lambdas.detach().clone(),
+                                 "gate_opt": gate_opt.state_dict(),
+                                 "lambda_opt": lambda_opt.state_dict()})
+
+    was_training = model.training
+    model.eval()
+    requires = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    warmup = max(1, steps // 2)
+    try:
+        for step in track(range(steps), total=steps, description="training head gates",
+                          status=lambda: f"loss {status['loss']:.4f} open "
+                                         f"{status['open']:.1f}/{target}"):
+            if step < start or not batches:  # done before the interruption
+                continue
+            batch = batches[step % len(batches)]
+            B = batch["input_ids"].shape[0]
+            for a in model.attentions:
+                a.gate_override = None
+            with torch.no_grad():  # the model as it came, every active gate at 1
+                t_out = objective.forward(model, batch)
+            gen = torch.Generator().manual_seed(
+                (seed * 1_000_003 + distributed.data_rank()) * 1_000_003 + step)
+            u = torch.rand(B, n_units, generator=gen).clamp(EPS, 1 - EPS)
+            z = torch.cat([sample(log_alpha, u), torch.zeros(B, 1)], 1)  # (B, U + 1)
+            for a, index in zip(model.attentions, unit_of, strict=True):
+                # masked heads read the zero column: they stay closed
+                a.gate_override = z[:, index.where(index >= 0, n_units)].to(device)  # (B, H)
+            s_out = objective.forward(model, batch)
+            distill = objective.distill_loss(model, s_out, model, t_out, batch, 1.0)
+            goal = n_units - (n_units - target) * min(1.0, (step + 1) / warmup)
+            gap = (p_open(log_alpha).sum() - goal) / n_units
+            lagrangian = lambdas[0] * gap + lambdas[1] * gap.pow(2)
+            gate_opt.zero_grad()
+            lambda_opt.zero_grad()
+            (distill + lagrangian).backward()
+            if not torch.isfinite(distill):
+                raise FloatingPointError("non-finite loss while training gates; see "
+                                         "--dtype float32")
+            world = distributed.world_size() if distributed.data_parallel() else 1
+            log_alpha.grad = distributed.all_reduce_sum(log_alpha.grad) / world
+            gate_opt.step()
+            lambda_opt.step()
+            with torch.no_grad():
+                log_alpha.clamp_(*LOG_ALPHA_BOUNDS)
+            n_tokens += int(batch["attention_mask"].sum())
+            status.update(loss=float(distill.detach()),
+                          open=float(p_open(log_alpha.detach()).sum()))
+            done = step + 1
+            if checkpoint is not None and done % checkpoint.every == 0:
+                save()
+    except KeyboardInterrupt:
+        save()
+        raise
+    finally:
+        for a in model.attentions:
+            a.gate_override = None
+        for p, r in zip(model.parameters(), requires, strict=True):
+            p.requires_grad_(r)
+        model.train(was_training)
+    (n_tokens,) = distributed.sum_floats(n_tokens)
+    alpha = log_alpha.detach().double()
+    padded = torch.cat([alpha, torch.tensor([math.nan], dtype=torch.float64)])
+    raw = [padded[index.where(index >= 0, n_units)] for index in unit_of]
+    extra = {"steps": steps, "lr": lr, "target": target, "unit": "kv-group" if by_group
+             else "head", "expected_open": float(p_open(alpha).sum()),
+             "loss": status["loss"], "lambdas": lambdas.detach().tolist()}
+    return raw, int(n_tokens), extra

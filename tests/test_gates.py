@@ -1,0 +1,98 @@
+"""Tests for learned head gates (`headlab.importance.gates`, Voita et al. 2019 with
+CoFi's Lagrangian).
+
+Invariants: the hard-concrete gate's P(open) is the fraction of its samples that are
+not 0; with a target of every head the gates stay open and selection keeps all; the
+Lagrangian drives the expected number of open gates to the target; a model whose
+output one head alone carries keeps that head at every target. Equivalence: one gate
+per GQA group scores every head of a group alike.
+
+Shape notation: L layers, H heads per layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from headlab.data.texts import load_texts
+from headlab.errors import UserError
+from headlab.importance import score
+from headlab.importance.gates import p_open, sample
+from headlab.objectives import make_blocks, prepare
+from headlab.selection import select
+
+S = 24
+
+
+@pytest.fixture()
+def blocks(tiny_gpt2):
+    return prepare(tiny_gpt2, make_blocks(load_texts(), tiny_gpt2.tokenizer,
+                                          kind="causal-lm", seq_len=S, max_tokens=8 * S))
+
+
+def test_p_open_is_the_share_of_samples_not_zero():
+    log_alpha = torch.tensor([-2.0, 0.0, 1.5])
+    u = torch.rand(200_000, 3, generator=torch.Generator().manual_seed(0)).clamp(1e-6, 1 - 1e-6)
+    z = sample(log_alpha, u)  # (N, 3)
+    assert float(z.min()) == 0.0 and float(z.max()) == 1.0
+    assert_close((z != 0).double().mean(0), p_open(log_alpha).double(), rtol=0, atol=5e-3)
+
+
+def test_every_head_as_target_keeps_the_gates_open(tiny_gpt2, blocks):
+    total = tiny_gpt2.n_layers * tiny_gpt2.n_original_heads
+    s = score(tiny_gpt2, blocks, method="gates", target=total, batch_size=4, gate_steps=30)
+    assert bool((p_open(s.tensor()) > 0.99).all())
+    assert sum(len(v) for v in select(s, total).kept.values()) == total
+    assert s.normalisation is None  # log_alphas compare across layers as they are
+
+
+@pytest.mark.parametrize("target", [3, 6, 9])
+def test_the_expected_open_gates_reach_the_target(tiny_gpt2, blocks, target):
+    s = score(tiny_gpt2, blocks, method="gates", target=target, batch_size=4,
+              gate_steps=200)
+    expected = float(p_open(s.tensor()).sum())
+    assert expected == pytest.approx(target, rel=0.02)
+    assert expected == pytest.approx(s.extra["expected_open"], rel=1e-9)
+
+
+def test_the_head_that_carries_the_output_is_kept(tiny_gpt2, blocks):
+    """Every head's W_O columns scaled to almost nothing but layer 1's head 2, scaled
+    up: the model's output is that head's; every target keeps it."""
+    D = tiny_gpt2.attentions[0].head_dim
+    with torch.no_grad():
+        for i, a in enumerate(tiny_gpt2.attentions):
+            for h in range(a.n_heads):
+                a.o_proj.weight[:, h * D:(h + 1) * D] *= 20.0 if (i, h) == (1, 2) else 0.01
+    carried = prepare(tiny_gpt2, blocks)  # unchanged for causal LMs
+    for target in (1, 2, 6, 11):
+        s = score(tiny_gpt2, carried, method="gates", target=target, batch_size=4,
+                  gate_steps=100)
+        assert 2 in select(s, target).kept[1], target
+
+
+def test_one_gate_per_group_scores_a_group_alike(gqa_dir):
+    import headlab
+
+    model = headlab.load(gqa_dir)
+    blocks = prepare(model, make_blocks(load_texts(), model.tokenizer, kind="causal-lm",
+                                        seq_len=S, max_tokens=4 * S))
+    s = score(model, blocks, method="gates", target=3, unit="kv-group", batch_size=4,
+              gate_steps=200)
+    t = s.tensor()  # (L, H), groups of two heads
+    assert_close(t[:, 0::2], t[:, 1::2], rtol=0, atol=0)
+    assert float(p_open(t[:, 0::2]).sum()) == pytest.approx(3, rel=0.02)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"target": 0}, "target of 1 to 12"),
+    ({"target": 13}, "target of 1 to 12"),
+    ({"target": None}, "give a target"),
+    ({"target": 6, "gate_steps": 0}, "--gate-steps"),
+    ({"target": 6, "gate_lr": 0.0}, "--gate-lr"),
+    ({"target": 6, "gate_lr": -1e-3}, "--gate-lr"),
+])
+def test_bad_options_say_so(tiny_gpt2, blocks, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        score(tiny_gpt2, blocks, method="gates", batch_size=4, **kwargs)
