@@ -267,7 +267,9 @@ def _check_schema(d: dict[str, Any]) -> None:
         raise UserError(f"results['schema_version'] is {version!r}; this headlab reads "
                         f"versions 1 to {SCHEMA_VERSION}: upgrade headlab or rerun the run")
     for layer, row in enumerate(d["importance"]):
-        bad = next((v for v in row if v is not None and _float(v) is None), None)
+        # null or NaN: not scored; anything but a number is a broken file
+        bad = next((v for v in row if v is not None and (
+            isinstance(v, bool) or not isinstance(v, int | float))), None)
         if bad is not None:
             raise UserError(f"results['importance'] layer {layer} holds {bad!r}, not a number")
     if not isinstance(d["heads_total"], int) or isinstance(d["heads_total"], bool):

@@ -91,9 +91,10 @@ def run(cfg: RunConfig | None, *, resume: Path | None = None,
             for stale in out.glob("checkpoint*.pt"):  # --overwrite starts over
                 stale.unlink()
         atomic_write_json(out / "config.json", cfg.to_dict())
-        set_status(out, "running")
     stage = Stage(cfg, out, model, scoring, heldout, seq_len, Placement.here(model))
-    try:
+    try:  # from the moment status.json says running, an interrupt marks it interrupted
+        if writes:
+            set_status(out, "running")
         distributed.barrier()
         stage.checkpoint = Checkpoint(out, every=cfg.checkpoint_every, identity=identity)
         result = stage.prune(n_keep) if cfg.command == "prune" else stage.score_only(n_keep)
