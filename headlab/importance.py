@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from headlab._util.checkpoint import Checkpoint
+from headlab._util.checks import check_int, check_seed
 from headlab._util.io import atomic_write_json, atomic_write_text
 from headlab._util.progress import track
 from headlab.data.blocks import Blocks
@@ -80,6 +81,13 @@ class HeadScores:
     @classmethod
     def from_json(cls, d: dict | str) -> HeadScores:
         d = json.loads(d) if isinstance(d, str) else dict(d)
+        rows = d.get("scores")
+        if not isinstance(rows, list) or not all(
+                isinstance(row, list) and all(v is None or (isinstance(v, (int, float))
+                                                            and not isinstance(v, bool))
+                                              for v in row) for row in rows):
+            raise TypeError("scores must be a list of rows (one per layer) of numbers or None "
+                            f"(as HeadScores.to_json writes them), got {str(rows)[:60]!r}")
         d["scores"] = [[math.nan if v is None else float(v) for v in row] for row in d["scores"]]
         return cls(**d)
 
@@ -155,7 +163,12 @@ def score(
     """
     if method not in METHODS:
         raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
-    objective_for(model).check_blocks(blocks, what="score")
+    objective = objective_for(model)
+    objective.check_blocks(blocks, what="score")
+    if method not in ("random", "entropy", "confidence"):  # the loss-based methods
+        objective.check_prepared(blocks, what="score")
+    batch_size = check_int(batch_size, "batch_size", low=1)
+    seed = check_seed(seed)
     n_examples = len(blocks)
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     if per_token and method not in PER_TOKEN_METHODS:

@@ -25,9 +25,17 @@ from headlab._util.filecheck import (
 from headlab.data import enwiki
 from headlab.data.protocol import split_documents
 from headlab.data.texts import BUNDLED_SPEC, load_texts
-from headlab.errors import DataError, RunLockedError, UserError
+from headlab.errors import DataError, ModelNotFoundError, RunLockedError, UserError
+from headlab.models import registry
 from headlab.models.format import is_headlab
-from headlab.models.loading import BUNDLED, bundled_path, gguf_cache_dir
+from headlab.models.loading import (
+    BUNDLED,
+    TOKENIZER_FILES,
+    bundled_path,
+    config_vocab_size,
+    gguf_cache_dir,
+    read_tokenizer,
+)
 from headlab.runs import lock as runlock
 from headlab.runs.config import RunConfig
 from headlab.selection import heads_to_keep
@@ -124,6 +132,7 @@ def check_model_config(cfg: RunConfig) -> None:
     if found is None:
         return
     path, config = found
+    _check_family(cfg, path)
     values = {}
     for what, keys in (("layers", _LAYER_KEYS), ("heads", _HEAD_KEYS)):
         key = next((k for k in keys if k in config), None)
@@ -151,6 +160,32 @@ def check_model_config(cfg: RunConfig) -> None:
             if n is not None and n > positions:
                 raise UserError(f"{flag} {n} is beyond the {positions} positions of "
                                 f"{cfg.model}; give at most {positions}")
+
+
+def _check_family(cfg: RunConfig, path: Path) -> None:
+    """The family config.json names is one headlab reads; what only a causal LM does
+    (--demote, the needle test) is not asked of an encoder; the tokenizer is there,
+    parses, and fits the embedding."""
+    raw = read_config(path)
+    try:
+        family = (registry.by_name(raw.get("family")) if is_headlab(raw)
+                  else registry.by_hf_type(raw.get("model_type", "?")))
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(f"{path}: {exc}") from None
+    what = f"{cfg.model} ({family.cls.family}) attends both ways"
+    if not family.cls.causal and cfg.demote:
+        raise UserError(f"--demote keeps the first and the last positions of a causal "
+                        f"model's past; {what}: prune its heads instead (without --demote)")
+    if not family.cls.causal and "needle" in cfg.tasks:
+        raise UserError(f"--tasks needle asks a causal language model to retrieve a planted "
+                        f"fact; {what}: drop needle from --tasks")
+    if Path(cfg.model).suffix == ".gguf":
+        return  # the tokenizer is the GGUF file's own
+    if not any((path.parent / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{path.parent} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                        "a run reads text through the model's tokenizer: copy them into the "
+                        "model's directory")
+    read_tokenizer(path.parent, config_vocab_size(raw))
 
 
 def _config_file(name: str) -> tuple[Path, dict[str, Any]] | None:
