@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _cli import assert_one_line, cli
 
 from headlab.data.texts import bundled_text
@@ -569,3 +570,28 @@ def test_the_api_refuses_bad_arguments_naming_them(monkeypatch, tmp_path, api, c
     shutil.copytree(api["path"], tmp_path, dirs_exist_ok=True)  # load('') would take it
     with pytest.raises(error, match=re.escape(words)):
         call(headlab, api)
+
+
+def test_a_report_error_names_report_html_not_its_temporary_file(capsys, tmp_path):
+    run = tmp_path / "run"
+    (run / "report.html").mkdir(parents=True)  # in the way of the rename
+    (run / "results.json").write_text(json.dumps(_RESULTS))
+    code, _, err = cli(capsys, "report", str(run))
+    assert_one_line(code, err, str(run / "report.html"))
+    assert ".tmp" not in err
+    assert sorted(p.name for p in run.iterdir()) == ["report.html", "results.json"]
+
+
+# ---------------------------------------------------------------- weights read as they are
+def test_integer_weights_without_scales_are_refused(capsys, tmp_path, tiny_gpt2_dir):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "int8"
+    shutil.copytree(tiny_gpt2_dir, model)
+    state = load_file(model / "model.safetensors")
+    key = "transformer.h.0.attn.c_attn.weight"
+    state[key] = (state[key] * 100).to(torch.int8)
+    save_file(state, model / "model.safetensors")
+    code, _, err = cli(capsys, "eval", "-m", str(model))
+    assert_one_line(code, err, key)
+    assert "int8" in err and "no scales" in err

@@ -220,6 +220,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             except Exception as exc:  # whatever the header check could not see
                 raise CorruptFileError(f"truncated or corrupt: {f} ({str(exc).splitlines()[0]}); "
                                        "download or copy it again", path=str(f)) from exc
+        _check_float_weights(state, path)
         return state
     bins = sorted(path.glob("pytorch_model*.bin"))
     if not bins:
@@ -236,7 +237,22 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
                 f"unpickling them could run code ({detail}); headlab only unpickles with "
                 "weights_only=True: convert the checkpoint to safetensors"
             ) from exc
+    _check_float_weights(state, path)
     return state
+
+
+_INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
+def _check_float_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse integer weight matrices (a quantized checkpoint): without their scales,
+    which headlab does not read, they would be taken as floats of the wrong size."""
+    quantized = sorted(k for k, v in state.items() if k.endswith("weight") and v.dtype in _INTEGER)
+    if quantized:
+        dtype = str(state[quantized[0]].dtype).removeprefix("torch.")
+        raise UserError(f"{path}: {', '.join(quantized[:4])} hold {dtype} integers and headlab "
+                        "reads no scales to turn them into floats (a quantized checkpoint); "
+                        "give the unquantized float checkpoint")
 
 
 def gguf_cache_dir(path: Path) -> Path:
