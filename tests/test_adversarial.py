@@ -309,6 +309,7 @@ def hostile(tmp_path_factory, tiny_gpt2_dir):
     (d / "a-file").write_text("not a folder")
     files["afile"] = d / "a-file"
     model_with("unsupported", model_type="mamba")
+    model_with("huge", n_embd=65536)
     for name, keep in (("notok", ()), ("badtok", ("tokenizer_config.json",)),
                        ("smalltok", ())):
         path = d / name
@@ -410,6 +411,7 @@ CASES = [
     ("eval -m {encoder} --tasks needle", "--tasks needle asks a causal language model"),
     ("score -m {unsupported} --out {out}", "architecture 'mamba' is not supported"),
     ("eval -m {unsupported}", "architecture 'mamba' is not supported"),
+    ("score -m {huge} --out {out}", "3 layers of hidden size 65536 need at least"),
     ("score -m {notok} --out {out}", "has no tokenizer files"),
     ("prune -m {badtok} --keep 0.5 --out {out}", "tokenizer.json cannot be read"),
     ("score -m {smalltok} --out {out}",
@@ -595,3 +597,12 @@ def test_integer_weights_without_scales_are_refused(capsys, tmp_path, tiny_gpt2_
     code, _, err = cli(capsys, "eval", "-m", str(model))
     assert_one_line(code, err, key)
     assert "int8" in err and "no scales" in err
+
+
+def test_inspect_refuses_a_text_beyond_the_positions_instead_of_cutting_it(
+        capsys, tmp_path, tiny_gpt2_dir):
+    text = " ".join(["the cat sat on the mat"] * 60)  # some 360 tokens; 128 positions
+    code, _, err = cli(capsys, "inspect", str(tiny_gpt2_dir), text,
+                       "--html", str(tmp_path / "v.html"))
+    assert_one_line(code, err, "beyond the model's 128 positions")
+    assert not (tmp_path / "v.html").exists()
