@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from headlab._util.checks import check_int, check_seed
 from headlab.analysis.roles import TokenRoles
 from headlab.attention.hooks import hooks, layer_of
 from headlab.data.texts import load_texts
@@ -89,6 +90,11 @@ def detect(model: HeadModel, kind: str, *, n: int = 16, seq_len: int = 128,
     if kind not in kinds_for(model):
         raise UserError(f"detector {kind!r} does not apply to a {model.kind} model; "
                         f"choose from {', '.join(kinds_for(model))}")
+    n, seq_len, repeat_len, batch_size = (
+        check_int(v, name, low=1) for v, name in ((n, "n"), (seq_len, "seq_len"),
+                                                  (repeat_len, "repeat_len"),
+                                                  (batch_size, "batch_size")))
+    seed = check_seed(seed)
     if batches is None:
         batches = probes(model, kind, n=n, seq_len=seq_len, repeat_len=repeat_len,
                          batch_size=batch_size, seed=seed)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from headlab._util.checks import check_int, check_seed
 from headlab.data.blocks import Blocks, check_blocks, layout_blocks
 from headlab.data.texts import TextData
 from headlab.errors import DataError, UserError
@@ -89,8 +90,9 @@ class Objective:
         call it on the unpruned model. Prepared blocks come back as they are."""
         return blocks
 
-    def check_prepared(self, blocks: Blocks) -> None:
-        """Raise if ``blocks`` lack what `prepare` adds and cannot be evaluated."""
+    def check_prepared(self, blocks: Blocks, *, what: str) -> None:
+        """Raise if ``blocks`` lack what `prepare` adds and cannot be evaluated; ``what``
+        names the caller in the message."""
 
     def forward(self, model: HeadModel, batch: Batch):
         """The model's forward on a batch of blocks (the output `losses` reads)."""
@@ -291,9 +293,11 @@ class Embedding(Objective):
         return Blocks(blocks.input_ids, blocks.attention_mask, blocks.labels, blocks.spec, extras,
                       blocks.layout)
 
-    def check_prepared(self, blocks):
+    def check_prepared(self, blocks, *, what):
         if "reference" not in blocks.extras:
-            raise UserError("embedding fidelity needs reference embeddings: call prepare() first")
+            raise UserError(f"{what}: blocks lack the reference embeddings that embedding "
+                            "fidelity compares with; pass headlab.prepare(model, blocks), "
+                            "made on the unpruned model")
 
     def losses(self, model, out, batch, *, scoring=False):
         """``1 - cos`` to the reference. With ``scoring=True`` the loss is the projection
@@ -343,6 +347,8 @@ def prepare(model: HeadModel, blocks: Blocks, *, batch_size: int = DEFAULT_BATCH
     unpruned model."""
     objective = objective_for(model)
     objective.check_blocks(blocks, what="prepare")
+    batch_size = check_int(batch_size, "batch_size", low=1)
+    seed = check_seed(seed)
     return objective.prepare(model, blocks, batch_size=batch_size, seed=seed)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from headlab._util.checks import check_instance
 from headlab.attention.streaming import Streaming
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
@@ -23,6 +24,7 @@ from headlab.selection import PrunePlan, kv_groups
 def prune(model: HeadModel, plan: PrunePlan, *, inplace: bool = True) -> HeadModel:
     """Physically remove the plan's pruned heads (weights leave the model); the heads
     that stay are whole: every gate is set back to 1."""
+    check_plan(model, plan)
     target = model if inplace else copy_model(model)
     target.prune_heads(plan.pruned)
     for attn in target.attentions:
@@ -39,6 +41,7 @@ def demote(model: HeadModel, plan: PrunePlan, *, sinks: int = 4, window: int = 2
     demoted (`headlab.selection.select_groups` chooses such plans); a plan that demotes
     part of a group is refused. The plan's pruned heads are removed first.
     """
+    check_plan(model, plan)
     if not model.causal:
         raise UserError(f"demotion keeps the first and the last positions of a causal "
                         f"model's past; {model.family} ({model.kind}) attends both ways: "
@@ -63,6 +66,24 @@ def demote(model: HeadModel, plan: PrunePlan, *, sinks: int = 4, window: int = 2
         else:
             attn.streaming = None
     return target
+
+
+def check_plan(model: HeadModel, plan: PrunePlan) -> None:
+    """Refuse a plan that is no PrunePlan or names a layer or head ``model`` never had:
+    applying it would leave the model silently as it was."""
+    check_instance(model, "model", HeadModel, "from headlab.load")
+    check_instance(plan, "plan", PrunePlan, "from headlab.select")
+    H = model.n_original_heads
+    for part in ("kept", "pruned", "demoted"):
+        for layer, heads in getattr(plan, part).items():
+            if not 0 <= int(layer) < model.n_layers:
+                raise UserError(f"plan: layer {layer} is beyond the model's {model.n_layers} "
+                                f"layers (0..{model.n_layers - 1})")
+            bad = sorted(int(h) for h in heads if not 0 <= int(h) < H)
+            if bad:
+                verb = {"kept": "keeps", "pruned": "prunes", "demoted": "demotes"}[part]
+                raise UserError(f"plan: layer {layer} {verb} head {', '.join(map(str, bad))}, "
+                                f"but the model's layers have heads 0..{H - 1}")
 
 
 def demoted_heads(model: HeadModel) -> dict[int, list[int]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headlab._util.checks import check_fraction, check_instance, check_int
 from headlab.errors import UserError
 from headlab.importance import HeadScores
 from headlab.models.base import HeadModel
@@ -63,6 +64,10 @@ class PrunePlan:
 
     @classmethod
     def from_json(cls, d: Mapping) -> PrunePlan:
+        check_instance(d, "a plan's JSON", Mapping, "as PrunePlan.to_json writes it")
+        if "kept" not in d or "pruned" not in d:
+            raise UserError(f"a plan's JSON needs 'kept' and 'pruned' ({{layer: [heads]}}), "
+                            f"got the keys {sorted(d)}")
         return cls({int(k): list(v) for k, v in d["kept"].items()},
                    {int(k): list(v) for k, v in d["pruned"].items()},
                    {int(k): list(v) for k, v in d.get("demoted", {}).items()})
@@ -73,13 +78,13 @@ def heads_to_keep(total: int, *, keep: float | None = None, prune: int | None = 
     all but ``prune``. Give exactly one; at least one head must remain."""
     if (keep is None) == (prune is None):
         raise UserError("give exactly one of keep (a fraction) or prune (a number of heads)")
+    total = check_int(total, "total", low=1)
     if keep is not None:
-        if not 0 < keep <= 1 or math.isnan(keep):
-            raise UserError(f"keep must be in (0, 1], got {keep}")
+        keep = check_fraction(keep, "keep")
         # rounded first: keep=0.07 of 100 heads is 7, not 8 from 7.000000000000001
         n_keep = math.ceil(round(keep * total, 6))
     else:
-        if not 0 <= prune < total:
+        if not 0 <= check_int(prune, "prune") < total:
             raise UserError(
                 f"prune must be between 0 and {total - 1} heads (the model has {total}), "
                 f"got {prune}"
@@ -104,6 +109,9 @@ def select(
     ``per_layer`` keeps the same number in every layer (the remainder going to the
     layers whose best head is best); ``min_heads_per_layer`` protects each layer's best.
     """
+    check_instance(scores, "scores", HeadScores, "from headlab.score or headlab.detect")
+    n_keep = check_int(n_keep, "n_keep")
+    min_heads_per_layer = check_int(min_heads_per_layer, "min_heads_per_layer", low=0)
     t = scores.tensor()  # (L, H)
     L, H = t.shape
     present = ~t.isnan()

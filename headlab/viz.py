@@ -95,9 +95,11 @@ def _encode(model: HeadModel, text: str, text_b: str | None = None) -> _Encoded:
             f"{getattr(model, 'family', type(model).__name__)} model: join the two texts "
             "into one and pass it as text"
         )
-    enc = tok(text, text_b, return_tensors="pt", truncation=limit is not None,
-              max_length=limit)
+    enc = tok(text, text_b, return_tensors="pt")
     ids = enc["input_ids"]  # (1, S)
+    if limit is not None and ids.shape[1] > limit:
+        raise UserError(f"the text is {ids.shape[1]} tokens, beyond the model's {limit} "
+                        "positions; give a shorter text (nothing is cut silently)")
     valid = enc.get("attention_mask")
     extra = {}
     sentence_b_start = None

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _cli import assert_one_line, cli
 
 from headlab.data.texts import bundled_text
@@ -307,7 +308,53 @@ def hostile(tmp_path_factory, tiny_gpt2_dir):
     files["needle_recipe"] = d / "needle.toml"
     (d / "a-file").write_text("not a folder")
     files["afile"] = d / "a-file"
+    model_with("unsupported", model_type="mamba")
+    model_with("huge", n_embd=65536)
+    for name, keep in (("notok", ()), ("badtok", ("tokenizer_config.json",)),
+                       ("smalltok", ())):
+        path = d / name
+        path.mkdir()
+        for f in ("config.json", "model.safetensors", *keep):
+            shutil.copy(tiny_gpt2_dir / f, path / f)
+        files[name] = path
+    (d / "badtok" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    _small_tokenizer(d / "smalltok")
+    files["encoder"] = _encoder_dir(d / "encoder")
     return files
+
+
+def _small_tokenizer(path: Path) -> None:
+    """A word-level tokenizer of 20 words (21 tokens once transformers adds GPT-2's
+    end of text), for a model with 512 embeddings."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "the", "a", "of", "and", "to", "in", "is", "was", "it", "that", "for",
+             "on", "as", "with", "by", "at", "an", "be", "or"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def _encoder_dir(path: Path) -> Path:
+    """A tiny random BertModel (an embedding model: 2 layers x 4 heads) with WordPiece."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    path.mkdir()
+    words = ["the", "a", "cat", "dog", "sat", "on", "mat", "and", "it", "was", "."]
+    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                                               *words]) + "\n")
+    tok = Tokenizer(models.WordPiece.from_file(str(path / "vocab.txt"), unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
+        unk_token="[UNK]", mask_token="[MASK]").save_pretrained(path)
+    cfg = transformers.BertConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64,
+                                  max_position_embeddings=64)
+    transformers.BertModel(cfg).eval().save_pretrained(path)
+    return path
 
 
 # (command line, what the one line must name); {model} is the tiny GPT-2, {out} a run
@@ -357,6 +404,18 @@ CASES = [
     ("inspect {model} hello --top -1", "'--top'"),
     ("inspect {model} hello --html {afile}/x.html", "is a file, not a folder"),
     ("validate -m {model} --n-boot 0", "'--n-boot'"),
+    ("prune -m {encoder} --keep 0.5 --unit kv-group --demote --out {out}",
+     "--demote keeps the first and the last positions of a causal model's past"),
+    ("prune -m {encoder} --keep 0.5 --tasks needle --out {out}",
+     "--tasks needle asks a causal language model"),
+    ("eval -m {encoder} --tasks needle", "--tasks needle asks a causal language model"),
+    ("score -m {unsupported} --out {out}", "architecture 'mamba' is not supported"),
+    ("eval -m {unsupported}", "architecture 'mamba' is not supported"),
+    ("score -m {huge} --out {out}", "3 layers of hidden size 65536 need at least"),
+    ("score -m {notok} --out {out}", "has no tokenizer files"),
+    ("prune -m {badtok} --keep 0.5 --out {out}", "tokenizer.json cannot be read"),
+    ("score -m {smalltok} --out {out}",
+     "the tokenizer holds 21 tokens for the model's 512 embedding rows"),
 ]
 
 
@@ -404,3 +463,146 @@ def test_report_refuses_results_it_cannot_read_naming_the_key(capsys, tmp_path, 
     code, _, err = cli(capsys, "report", str(run))
     assert_one_line(code, err, culprit)
     assert not (run / "report.html").exists()
+
+
+# ---------------------------------------------------------------- the Python API
+@pytest.fixture(scope="module")
+def api(tmp_path_factory, tiny_gpt2_dir):
+    """A tiny GPT-2 with blocks and scores, and a tiny embedding model (a BertModel
+    with a WordPiece vocabulary) with its blocks, unprepared."""
+    import headlab
+
+    path = _encoder_dir(tmp_path_factory.mktemp("api") / "embedding")
+    model, bert = headlab.load(tiny_gpt2_dir), headlab.load(path)
+    texts = headlab.load_texts()
+    return {
+        "path": tiny_gpt2_dir, "model": model, "texts": texts, "bert": bert,
+        "blocks": headlab.make_blocks(texts, model.tokenizer, kind=model.kind, seq_len=32,
+                                      max_tokens=512),
+        "bert_blocks": headlab.make_blocks(texts, bert.tokenizer, kind=bert.kind,
+                                           seq_len=32, max_tokens=256),
+        "scores": headlab.HeadScores([[0.1, 0.2, 0.3, 0.4]] * 3, "michel"),
+    }
+
+
+def _blocks(a, **kwargs):
+    import headlab
+
+    return headlab.make_blocks(a["texts"], a["model"].tokenizer, kind="causal-lm",
+                               **{"seq_len": 32, **kwargs})
+
+
+def _pruned(a, plan):
+    import headlab
+
+    return headlab.prune(headlab.pruning.copy_model(a["model"]), plan)
+
+
+def _captured_layers(a, layers):
+    import headlab
+
+    with headlab.capture(a["model"], "pattern", layers=layers):
+        pass
+
+
+# (the call, the error, the words its message must hold); `a` is the `api` fixture
+API_CASES = [
+    ("select([[0.1, 0.2]], 2)", lambda h, a: h.select([[0.1, 0.2]], 2),
+     TypeError, "scores must be a HeadScores"),
+    ("select(None, 2)", lambda h, a: h.select(None, 2), TypeError, "scores must be a HeadScores"),
+    ("select(scores, 2.5)", lambda h, a: h.select(a["scores"], 2.5),
+     TypeError, "n_keep must be a whole number (int), got 2.5"),
+    ("select(scores, 4, min_heads_per_layer=-1)",
+     lambda h, a: h.select(a["scores"], 4, min_heads_per_layer=-1),
+     ValueError, "min_heads_per_layer must be at least 0, got -1"),
+    ("prune(model, {0: [0]})", lambda h, a: _pruned(a, {0: [0]}),
+     TypeError, "plan must be a PrunePlan"),
+    ("prune(model, PrunePlan(kept={0: [99]}))",
+     lambda h, a: _pruned(a, h.PrunePlan(kept={0: [99]}, pruned={})),
+     ValueError, "plan: layer 0 keeps head 99, but the model's layers have heads 0..3"),
+    ("prune(model, PrunePlan(pruned={7: [0]}))",
+     lambda h, a: _pruned(a, h.PrunePlan(kept={}, pruned={7: [0]})),
+     ValueError, "plan: layer 7 is beyond the model's 3 layers"),
+    ("heads_to_keep(10, prune=2.5)", lambda h, a: h.heads_to_keep(10, prune=2.5),
+     TypeError, "prune must be a whole number (int), got 2.5"),
+    ("heads_to_keep(10, keep='0.5')", lambda h, a: h.heads_to_keep(10, keep="0.5"),
+     TypeError, "keep must be a number, got '0.5'"),
+    ("make_blocks(..., seq_len=32.0)", lambda h, a: _blocks(a, seq_len=32.0),
+     TypeError, "seq_len must be a whole number (int), got 32.0"),
+    ("make_blocks(..., max_tokens=-100)", lambda h, a: _blocks(a, max_tokens=-100),
+     ValueError, "max_tokens must be at least 1, got -100"),
+    ("evaluate(model, heldout, batch_size=0)",
+     lambda h, a: h.evaluate(a["model"], a["blocks"], batch_size=0),
+     ValueError, "batch_size must be at least 1, got 0"),
+    ("evaluate(model, heldout, batch_size=-1)",
+     lambda h, a: h.evaluate(a["model"], a["blocks"], batch_size=-1),
+     ValueError, "batch_size must be at least 1, got -1"),
+    ("score(model, blocks, batch_size=-1)",
+     lambda h, a: h.score(a["model"], a["blocks"], batch_size=-1),
+     ValueError, "batch_size must be at least 1, got -1"),
+    ("score(embedding model, unprepared blocks)",
+     lambda h, a: h.score(a["bert"], a["bert_blocks"]),
+     ValueError, "score: blocks lack the reference embeddings"),
+    ("detect(model, 'induction', n=0)", lambda h, a: h.detect(a["model"], "induction", n=0),
+     ValueError, "n must be at least 1, got 0"),
+    ("load('')", lambda h, a: h.load(""), ValueError, "name_or_path is empty"),
+    ("load(path, device='nope')", lambda h, a: h.load(a["path"], device="nope"),
+     ValueError, "device 'nope' is no torch device"),
+    ("PrunePlan.from_json({})", lambda h, a: h.PrunePlan.from_json({}),
+     ValueError, "a plan's JSON needs 'kept' and 'pruned'"),
+    ("HeadScores.from_json({'scores': 'abc'})",
+     lambda h, a: h.HeadScores.from_json({"scores": "abc"}),
+     TypeError, "scores must be a list of rows (one per layer) of numbers or None"),
+    ("split_blocks(blocks, seed=2**70)", lambda h, a: h.split_blocks(a["blocks"], seed=2**70),
+     ValueError, "seed must be in [0, 2**63 - 1]"),
+    ("capture(model, 'pattern', layers=[99])", lambda h, a: _captured_layers(a, [99]),
+     ValueError, "layers [99] are beyond the model's 3 layers"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "words"), [(f, e, w) for _, f, e, w in API_CASES],
+                         ids=[c for c, *_ in API_CASES])
+def test_the_api_refuses_bad_arguments_naming_them(monkeypatch, tmp_path, api, call, error,
+                                                   words):
+    import re
+
+    import headlab
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(api["path"], tmp_path, dirs_exist_ok=True)  # load('') would take it
+    with pytest.raises(error, match=re.escape(words)):
+        call(headlab, api)
+
+
+def test_a_report_error_names_report_html_not_its_temporary_file(capsys, tmp_path):
+    run = tmp_path / "run"
+    (run / "report.html").mkdir(parents=True)  # in the way of the rename
+    (run / "results.json").write_text(json.dumps(_RESULTS))
+    code, _, err = cli(capsys, "report", str(run))
+    assert_one_line(code, err, str(run / "report.html"))
+    assert ".tmp" not in err
+    assert sorted(p.name for p in run.iterdir()) == ["report.html", "results.json"]
+
+
+# ---------------------------------------------------------------- weights read as they are
+def test_integer_weights_without_scales_are_refused(capsys, tmp_path, tiny_gpt2_dir):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "int8"
+    shutil.copytree(tiny_gpt2_dir, model)
+    state = load_file(model / "model.safetensors")
+    key = "transformer.h.0.attn.c_attn.weight"
+    state[key] = (state[key] * 100).to(torch.int8)
+    save_file(state, model / "model.safetensors")
+    code, _, err = cli(capsys, "eval", "-m", str(model))
+    assert_one_line(code, err, key)
+    assert "int8" in err and "no scales" in err
+
+
+def test_inspect_refuses_a_text_beyond_the_positions_instead_of_cutting_it(
+        capsys, tmp_path, tiny_gpt2_dir):
+    text = " ".join(["the cat sat on the mat"] * 60)  # some 360 tokens; 128 positions
+    code, _, err = cli(capsys, "inspect", str(tiny_gpt2_dir), text,
+                       "--html", str(tmp_path / "v.html"))
+    assert_one_line(code, err, "beyond the model's 128 positions")
+    assert not (tmp_path / "v.html").exists()

@@ -22,19 +22,32 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; rename it into place on success."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    with _naming(target):
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
+                                   dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        # mkstemp makes 0600, and a writer may replace the file (safetensors does):
-        # give the usual mode to whatever is there now
-        os.chmod(tmp_path, 0o666 & ~_umask())
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, target)
+        with _naming(target):
+            # mkstemp makes 0600, and a writer may replace the file (safetensors does):
+            # give the usual mode to whatever is there now
+            os.chmod(tmp_path, 0o666 & ~_umask())
+            with open(tmp_path, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp_path, target)
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _naming(target: Path) -> Iterator[None]:
+    """An OSError of the temporary file's own steps names ``target``, the file a user
+    knows, not the hidden temporary name."""
+    try:
+        yield
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(target)) from exc
 
 
 @contextlib.contextmanager

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from headlab._util.checks import check_int
 from headlab._util.modules import make_callable
 from headlab.attention import MultiHeadAttention
 from headlab.attention.hookpoint import HookPoint
-from headlab.errors import CaptureTooLargeError
+from headlab.errors import CaptureTooLargeError, UserError
 
 __all__ = [
     "Capture",
@@ -61,7 +62,12 @@ def _resolve(model: nn.Module, names: str | Iterable[str], layers=None) -> dict[
     points = {n: m for n, m in model.named_modules() if isinstance(m, HookPoint)}
     chosen = {n: m for n, m in points.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
     if layers is not None:
-        wanted = {int(i) for i in layers}
+        wanted = {check_int(i, "layers[...]") for i in layers}
+        n_layers = len({layer_of(n) for n in points} - {None})
+        beyond = sorted(i for i in wanted if not 0 <= i < n_layers)
+        if beyond:
+            raise UserError(f"layers {beyond} are beyond the model's {n_layers} layers "
+                            f"(0..{n_layers - 1})")
         chosen = {n: m for n, m in chosen.items() if layer_of(n) in wanted}
     if not chosen:
         raise KeyError(

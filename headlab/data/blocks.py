@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headlab._util.checks import check_fraction, check_int, check_seed
 from headlab.data.texts import BUNDLED_SPEC, TextData, sentences
 from headlab.errors import DataError
 
@@ -189,7 +190,9 @@ def layout_blocks(
         raise DataError(f"{data.spec}: no texts to make blocks of")
     if tokenizer is None:
         raise DataError("make_blocks needs the model's tokenizer (model.tokenizer), got None")
-    if seq_len < 4:
+    if max_tokens is not None:
+        max_tokens = check_int(max_tokens, "max_tokens", low=1)
+    if check_int(seq_len, "seq_len") < 4:
         raise DataError(f"seq_len must be >= 4, got {seq_len}")
     blocks = LAYOUTS[layout](data, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
     blocks.layout = layout
@@ -214,8 +217,8 @@ def split_blocks(blocks: Blocks, *, heldout: float = 0.5, seed: int = 0) -> tupl
             f"{blocks.spec}: {len(blocks)} block(s) cannot be split into scoring and held-out "
             "parts; give more data (--max-tokens) or a shorter --seq-len"
         )
-    if not 0 < heldout < 1:
-        raise DataError(f"held-out fraction must be in (0, 1), got {heldout}")
+    heldout = check_fraction(heldout, "held-out fraction", include_one=False, error=DataError)
+    seed = check_seed(seed)
     order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
     n_held = min(len(blocks) - 1, max(1, round(len(blocks) * heldout)))
     return blocks.subset(order[n_held:].sort().values), blocks.subset(order[:n_held].sort().values)

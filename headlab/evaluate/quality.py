@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from headlab._util.checks import check_int
 from headlab._util.progress import track
 from headlab.data.blocks import Blocks
 from headlab.models.base import HeadModel
@@ -43,7 +44,8 @@ def evaluate(model: HeadModel, blocks: Blocks, *, batch_size: int = DEFAULT_BATC
     Under torchrun each rank evaluates a disjoint shard and the sums are all-reduced."""
     objective = objective_for(model)
     objective.check_blocks(blocks, what="evaluate")
-    objective.check_prepared(blocks)
+    objective.check_prepared(blocks, what="evaluate")
+    batch_size = check_int(batch_size, "batch_size", low=1)
     total_loss = total_count = total_correct = 0.0
     n_tokens = 0
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))

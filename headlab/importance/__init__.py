@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from headlab._util.checkpoint import Checkpoint
+from headlab._util.checks import check_int, check_seed
 from headlab._util.progress import track
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
@@ -89,7 +90,12 @@ def score(
     """
     if method not in METHODS:
         raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
-    objective_for(model).check_blocks(blocks, what="score")
+    objective = objective_for(model)
+    objective.check_blocks(blocks, what="score")
+    if method not in ("random", "entropy", "confidence"):  # the loss-based methods
+        objective.check_prepared(blocks, what="score")
+    batch_size = check_int(batch_size, "batch_size", low=1)
+    seed = check_seed(seed)
     n_examples = len(blocks)
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
     if per_token and method not in PER_TOKEN_METHODS:

@@ -49,6 +49,13 @@ class HeadScores:
     @classmethod
     def from_json(cls, d: dict | str) -> HeadScores:
         d = json.loads(d) if isinstance(d, str) else dict(d)
+        rows = d.get("scores")
+        if not isinstance(rows, list) or not all(
+                isinstance(row, list) and all(v is None or (isinstance(v, (int, float))
+                                                            and not isinstance(v, bool))
+                                              for v in row) for row in rows):
+            raise TypeError("scores must be a list of rows (one per layer) of numbers or None "
+                            f"(as HeadScores.to_json writes them), got {str(rows)[:60]!r}")
         d["scores"] = [[math.nan if v is None else float(v) for v in row] for row in d["scores"]]
         return cls(**d)
 

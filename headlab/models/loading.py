@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from headlab._util.checks import check_instance
 from headlab._util.filecheck import check_safetensors, read_config, read_gguf_header
 from headlab._util.io import atomic_path, cache_root
 from headlab.errors import CorruptFileError, ModelNotFoundError, UserError
@@ -118,7 +119,18 @@ def load(
     ``name_or_path``: a bundled name (``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``), a local
     checkpoint or headlab directory, a ``.gguf`` file, or a Hugging Face hub id.
     """
+    check_instance(name_or_path, "name_or_path", (str, Path),
+                   "a bundled name, a directory, a .gguf file or a hub id")
     name = str(name_or_path)
+    if not name.strip():
+        raise ModelNotFoundError("name_or_path is empty; give a bundled name "
+                                 f"({', '.join(BUNDLED)}), a directory, a .gguf file or a "
+                                 "hub id ('.' for the current directory)")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UserError(f"device {device!r} is no torch device (such as 'cpu', 'cuda', "
+                        "'cuda:1')") from exc
     if name in BUNDLED:
         path = bundled_path(name)
         gguf = path.suffix == ".gguf"
@@ -172,6 +184,8 @@ def _load_dir(path: Path, with_tokenizer: bool) -> HeadModel:
     if not cfg_file.is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not a model directory")
     config = read_config(cfg_file)
+    if not format.is_headlab(config):  # an unknown architecture before any weight is read
+        registry.by_hf_type(config.get("model_type", "?"))
     state = read_weights(path)
     try:
         if format.is_headlab(config):
@@ -187,7 +201,7 @@ def _load_dir(path: Path, with_tokenizer: bool) -> HeadModel:
     except ValueError as exc:  # a config or weights the family refuses, with the reason
         raise UserError(f"{path}: {str(exc).splitlines()[0]}") from exc
     if with_tokenizer:
-        model.tokenizer = read_tokenizer(path)
+        model.tokenizer = read_tokenizer(path, config_vocab_size(config))
     return model
 
 
@@ -206,6 +220,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             except Exception as exc:  # whatever the header check could not see
                 raise CorruptFileError(f"truncated or corrupt: {f} ({str(exc).splitlines()[0]}); "
                                        "download or copy it again", path=str(f)) from exc
+        _check_float_weights(state, path)
         return state
     bins = sorted(path.glob("pytorch_model*.bin"))
     if not bins:
@@ -222,7 +237,22 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
                 f"unpickling them could run code ({detail}); headlab only unpickles with "
                 "weights_only=True: convert the checkpoint to safetensors"
             ) from exc
+    _check_float_weights(state, path)
     return state
+
+
+_INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
+def _check_float_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse integer weight matrices (a quantized checkpoint): without their scales,
+    which headlab does not read, they would be taken as floats of the wrong size."""
+    quantized = sorted(k for k, v in state.items() if k.endswith("weight") and v.dtype in _INTEGER)
+    if quantized:
+        dtype = str(state[quantized[0]].dtype).removeprefix("torch.")
+        raise UserError(f"{path}: {', '.join(quantized[:4])} hold {dtype} integers and headlab "
+                        "reads no scales to turn them into floats (a quantized checkpoint); "
+                        "give the unquantized float checkpoint")
 
 
 def gguf_cache_dir(path: Path) -> Path:
@@ -275,16 +305,40 @@ def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
     return model
 
 
-def read_tokenizer(path: Path):
-    """The tokenizer saved in ``path``, or None (with a warning) where it has none."""
+# a saved tokenizer holds one of these; without any, transformers would build an empty
+# one from the model's config alone
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+# a tokenizer covering less than this share of the embedding rows is another model's
+_MIN_VOCAB_SHARE = 0.5
+
+
+def config_vocab_size(config: dict) -> int | None:
+    """The embedding rows a config.json (Hugging Face's or headlab's) states, if any."""
+    inner = config.get("config") if format.is_headlab(config) else config
+    rows = inner.get("vocab_size") if isinstance(inner, dict) else None
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
+
+
+def read_tokenizer(path: Path, vocab_size: int | None = None):
+    """The tokenizer saved in ``path``, or None (with a warning) where it has no tokenizer
+    files. Files that do not parse, or a vocabulary far smaller than the model's
+    ``vocab_size`` embedding rows (another model's tokenizer), are refused (UserError)."""
     from transformers import AutoTokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        log.warning("no tokenizer at %s (%s); model.tokenizer is None", path, exc)
-        return None
-    if len(tok) < 2:  # transformers builds an empty one when the files are missing
+    files = [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    if not files:
         log.warning("no tokenizer files at %s; model.tokenizer is None", path)
         return None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+        raise UserError(f"{path}: tokenizer {' / '.join(files)} cannot be read "
+                        f"({type(exc).__name__}: {detail}); copy the model's tokenizer files "
+                        "again") from exc
+    if vocab_size is not None and len(tok) < _MIN_VOCAB_SHARE * vocab_size:
+        raise UserError(f"{path}: the tokenizer holds {len(tok)} tokens for the model's "
+                        f"{vocab_size} embedding rows, so it is not this model's tokenizer; "
+                        "copy the model's own tokenizer files")
     return tok

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from headlab._util.checks import MAX_SEED
 from headlab.data.protocol import PROTOCOLS
 from headlab.detectors import DECODER_KINDS
 from headlab.errors import UserError
@@ -34,7 +35,6 @@ DEVICES = ("auto", "cpu", "cuda")
 SHARDING = ("fsdp",)  # headlab.parallel.sharding: the weights split across torchrun ranks
 
 COMMANDS = ("prune", "score", "eval")
-MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
 MAX_RIDGE = 1e6  # times mean(diag X^T X): beyond it the refit is the old weights
 
 

@@ -25,9 +25,17 @@ from headlab._util.filecheck import (
 from headlab.data import enwiki
 from headlab.data.protocol import split_documents
 from headlab.data.texts import BUNDLED_SPEC, load_texts
-from headlab.errors import DataError, RunLockedError, UserError
+from headlab.errors import DataError, ModelNotFoundError, RunLockedError, UserError
+from headlab.models import registry
 from headlab.models.format import is_headlab
-from headlab.models.loading import BUNDLED, bundled_path, gguf_cache_dir
+from headlab.models.loading import (
+    BUNDLED,
+    TOKENIZER_FILES,
+    bundled_path,
+    config_vocab_size,
+    gguf_cache_dir,
+    read_tokenizer,
+)
 from headlab.runs import lock as runlock
 from headlab.runs.config import RunConfig
 from headlab.selection import heads_to_keep
@@ -125,6 +133,14 @@ def check_model_config(cfg: RunConfig) -> None:
     if found is None:
         return
     path, config = found
+    _check_family(cfg, path)
+    _check_config_values(cfg, path, config)
+    _check_tokenizer(cfg, path)
+
+
+def _check_config_values(cfg: RunConfig, path: Path, config: dict[str, Any]) -> None:
+    """Head and layer counts, the hidden size against the heads and the weights, the
+    per-layer minimum and the lengths against what ``config`` states."""
     values = {}
     for what, keys in (("layers", _LAYER_KEYS), ("heads", _HEAD_KEYS)):
         key = next((k for k in keys if k in config), None)
@@ -141,6 +157,8 @@ def check_model_config(cfg: RunConfig) -> None:
             and hidden % heads):
         raise UserError(f"{path}: the hidden size {hidden} is not divisible by the "
                         f"{heads} attention heads; the model's config is broken")
+    if isinstance(hidden, int) and not isinstance(hidden, bool):
+        _check_size(path, values["layers"], hidden, heads, config.get("head_dim"))
     if cfg.min_heads_per_layer > heads:
         raise UserError(f"--min-heads-per-layer {cfg.min_heads_per_layer} is more than the "
                         f"{heads} heads of each layer of {cfg.model}")
@@ -152,6 +170,52 @@ def check_model_config(cfg: RunConfig) -> None:
             if n is not None and n > positions:
                 raise UserError(f"{flag} {n} is beyond the {positions} positions of "
                                 f"{cfg.model}; give at most {positions}")
+
+
+def _check_family(cfg: RunConfig, path: Path) -> None:
+    """The family config.json names is one headlab reads; what only a causal LM does
+    (--demote, the needle test) is not asked of an encoder."""
+    raw = read_config(path)
+    try:
+        family = (registry.by_name(raw.get("family")) if is_headlab(raw)
+                  else registry.by_hf_type(raw.get("model_type", "?")))
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(f"{path}: {exc}") from None
+    what = f"{cfg.model} ({family.cls.family}) attends both ways"
+    if not family.cls.causal and cfg.demote:
+        raise UserError(f"--demote keeps the first and the last positions of a causal "
+                        f"model's past; {what}: prune its heads instead (without --demote)")
+    if not family.cls.causal and "needle" in cfg.tasks:
+        raise UserError(f"--tasks needle asks a causal language model to retrieve a planted "
+                        f"fact; {what}: drop needle from --tasks")
+
+
+def _check_tokenizer(cfg: RunConfig, path: Path) -> None:
+    """The tokenizer beside config.json is there, parses, and fits the embedding."""
+    if Path(cfg.model).suffix == ".gguf":
+        return  # the tokenizer is the GGUF file's own
+    if not any((path.parent / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{path.parent} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                        "a run reads text through the model's tokenizer: copy them into the "
+                        "model's directory")
+    read_tokenizer(path.parent, config_vocab_size(read_config(path)))
+
+
+def _check_size(path: Path, layers: int, hidden: int, heads: int, head_dim: Any) -> None:
+    """The sizes config.json states against the parameters the weight files hold: the
+    query and output projections alone (2 E H D a layer) must fit in them, else building
+    the model would allocate for a config the weights contradict. A headlab directory
+    (pruned: fewer heads than its config's) is left to the loader's shape check."""
+    _, stored = _from_dir(path.parent)
+    if not stored or is_headlab(read_config(path)):
+        return
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+        head_dim = hidden // heads
+    least = layers * 2 * hidden * heads * head_dim
+    if least > stored:
+        raise UserError(f"{path}: {layers} layers of hidden size {hidden} need at least "
+                        f"{least:,} parameters, but the weight files hold {stored:,}; the "
+                        "config and the weights disagree: restore config.json")
 
 
 def _config_file(name: str) -> tuple[Path, dict[str, Any]] | None:
