@@ -203,6 +203,7 @@ class Stage:
         q_before = res.curve[0]
         result = self._result(
             res.scores, heads_kept=plan.n_kept, kept_heads=plan.kept,
+            removal_scores=res.removal_scores(),
             heads_per_layer=BeforeAfter(before.heads, after.heads),
             kv_heads_per_layer=BeforeAfter(before.kv_heads, after.kv_heads),
             quality=QualityFigures(
