@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from headlab._util.checkpoint import Checkpoint
+from headlab._util.progress import track
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.evaluate.quality import evaluate
@@ -281,7 +282,8 @@ def versus_random(
     runs = [(label, name, 0, {**shared, **kw}) for label, (name, kw) in trials.items()]
     runs += [(f"random:{seed}", "random", seed, {}) for seed in seeds]
     lost: dict[str, float] = {}
-    for label, name, seed, kw in runs:
+    for label, name, seed, kw in track(runs, total=len(runs),
+                                       description="pruning by each method and at random"):
         res = prune_to_target(model, scoring, heldout, method=name, n_keep=n_keep, seed=seed,
                               score_kwargs=kw, **prune_kw)
         # the curve's last point is the held-out quality at the final plan
