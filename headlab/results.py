@@ -19,7 +19,7 @@ from headlab.errors import UserError
 from headlab.evaluate.cache import KVCacheReport
 from headlab.evaluate.needle import NeedleResult
 from headlab.recovery import RecoveryReport
-from headlab.schedule import CurvePoint
+from headlab.schedule import CurvePoint, RemovalScores
 
 # 2: this module's types; 1: results.json of the same keys, written before it had a version
 SCHEMA_VERSION = 2
@@ -111,6 +111,8 @@ class RunResult:
     heads_kept: int | None = None
     kept_heads: dict[int, list[int]] | None = None
     importance_normalisation: str | None = None
+    # a pruning run's scores that chose each removal (``importance`` is the first scoring)
+    removal_scores: RemovalScores | None = None
     heads_per_layer: BeforeAfter[list[int]] = field(default_factory=BeforeAfter)
     kv_heads_per_layer: BeforeAfter[list[int]] = field(default_factory=BeforeAfter)
     quality: QualityFigures = field(default_factory=QualityFigures)
@@ -176,8 +178,11 @@ class RunResult:
                 side: None if r is None else r.to_json()
                 for side, r in (("before", self.needle.before), ("after", self.needle.after))},
         }
-        if self.head_types:  # optional: a file without it reads back as it was
+        # optional: a file without them reads back as it was
+        if self.head_types:
             d["head_types"] = self.head_types
+        if self.removal_scores is not None:
+            d["removal_scores"] = self.removal_scores.to_json()
         return _json_safe(d)
 
     @classmethod
@@ -218,6 +223,7 @@ class RunResult:
             heads_kept=_int(d.get("heads_kept")),
             kept_heads=_kept(d.get("kept_heads")),
             importance_normalisation=_str(d.get("importance_normalisation")),
+            removal_scores=_removal(d.get("removal_scores")),
             heads_per_layer=_counts(d.get("heads_per_layer")),
             kv_heads_per_layer=_counts(d.get("kv_heads_per_layer")),
             quality=QualityFigures(
@@ -358,6 +364,15 @@ def _sample(x: Any) -> Sample | None:
             or not isinstance(x.get("attention"), dict):
         return None
     return Sample(_str(x.get("text")), [str(t) for t in x["tokens"]], x["attention"])
+
+
+def _removal(x: Any) -> RemovalScores | None:
+    if not isinstance(x, dict):
+        return None
+    try:
+        return RemovalScores.from_json(x)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _recovery(x: Any) -> RecoveryReport | None:

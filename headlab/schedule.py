@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from headlab._util.checkpoint import Checkpoint
+from headlab._util.progress import track
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.evaluate.quality import evaluate
@@ -52,13 +53,55 @@ class CurvePoint:
 
 
 @dataclass
+class RemovalScores:
+    """The scores that chose each removal, layers x original heads: a pruned head's
+    score in the scoring that chose to remove it, a kept head's in the last scoring.
+    ``scoring[layer][head]`` is the index of that scoring (0: the unpruned model's),
+    None for a kept head or one no scoring saw; ``scorings`` is how many ran."""
+
+    scores: list[list[float]]
+    scoring: list[list[int | None]]
+    scorings: int
+
+    def to_json(self) -> dict:
+        return {"scores": [[None if math.isnan(v) else v for v in row] for row in self.scores],
+                "scoring": self.scoring, "scorings": self.scorings}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> RemovalScores:
+        """From `to_json`; raises KeyError, TypeError or ValueError when malformed."""
+        scores = [[math.nan if v is None else float(v) for v in row] for row in d["scores"]]
+        scoring = [[None if k is None else int(k) for k in row] for row in d["scoring"]]
+        if [len(r) for r in scores] != [len(r) for r in scoring]:
+            raise ValueError("removal scores and their scoring indices differ in shape")
+        return cls(scores, scoring, int(d["scorings"]))
+
+
+@dataclass
 class ScheduleResult:
     """What iterative or one-shot pruning decided and measured."""
 
     plan: PrunePlan
-    scores: HeadScores  # the first scoring (all heads), shown as the importance map
+    scores: HeadScores  # the first scoring (all heads)
     curve: list[CurvePoint] = field(default_factory=list)
     step_scores: list[HeadScores] = field(default_factory=list)
+
+    def removal_scores(self) -> RemovalScores:
+        """Each head's score where it was decided. A step's plan is chosen on the latest
+        scoring, and a head removed by it scores NaN in every later one (iterative), so
+        a pruned head was chosen by the last scoring that still saw it."""
+        steps = self.step_scores or [self.scores]
+        scores, scoring = [], []
+        for layer, row in enumerate(steps[0].scores):
+            gone = set(self.plan.pruned.get(layer, ()))
+            scores.append([])
+            scoring.append([])
+            for head in range(len(row)):
+                seen = [k for k, s in enumerate(steps) if not math.isnan(s.scores[layer][head])]
+                k = seen[-1] if seen and head in gone else None
+                scores[-1].append(steps[k if k is not None else -1].scores[layer][head])
+                scoring[-1].append(k)
+        return RemovalScores(scores, scoring, len(steps))
 
 
 def prune_to_target(
@@ -240,7 +283,8 @@ def versus_random(
     runs = [(label, name, 0, {**shared, **kw}) for label, (name, kw) in trials.items()]
     runs += [(f"random:{seed}", "random", seed, {}) for seed in seeds]
     lost: dict[str, float] = {}
-    for label, name, seed, kw in runs:
+    for label, name, seed, kw in track(runs, total=len(runs),
+                                       description="pruning by each method and at random"):
         res = prune_to_target(model, scoring, heldout, method=name, n_keep=n_keep, seed=seed,
                               score_kwargs=kw, **prune_kw)
         # the curve's last point is the held-out quality at the final plan

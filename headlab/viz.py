@@ -244,8 +244,9 @@ def _statistics(model: HeadModel, enc: _Encoded) -> HeadStats:
 
 
 def _result(model: HeadModel, text: str, enc: _Encoded, stats: HeadStats) -> RunResult:
-    """The smallest RunResult that headlab.report renders: the sample's attention, the
-    statistics, and per-head confidence as "importance"."""
+    """The smallest RunResult that headlab.report's one-text view renders: the sample's
+    attention and the statistics (``importance``, which the view does not show, holds
+    per-head confidence, since a RunResult requires it)."""
     n_heads = _n_original_heads(model, enc)
     confidence = [[math.nan] * n_heads for _ in enc.patterns]
     for record in stats.records:
@@ -269,8 +270,8 @@ def _result(model: HeadModel, text: str, enc: _Encoded, stats: HeadStats) -> Run
 
 def attention_html(model: HeadModel, text: str, *, height: int = 720) -> AttentionView:
     """An offline view of ``model``'s attention on ``text``: headlab's report page with
-    the attention gallery (one map per head), the bertviz-style explorer, per-head
-    statistics and a heatmap of per-head confidence (shown as "importance").
+    the attention gallery (one map per head), the bertviz-style explorer and the
+    per-head statistics.
 
     Everything is inline (no CDN, no network; the page's policy forbids fetches), and
     tokens are escaped, so a hostile text cannot run code. Heads a pruned model lacks
@@ -278,7 +279,7 @@ def attention_html(model: HeadModel, text: str, *, height: int = 720) -> Attenti
     Jupyter, ``.page`` is the HTML, ``.save(path)`` writes it.
     """
     enc = _encode(model, text)
-    page = render(_result(model, text, enc, _statistics(model, enc)))
+    page = render(_result(model, text, enc, _statistics(model, enc)), view="text")
     return AttentionView(page, height=height)
 
 
@@ -321,7 +322,7 @@ def inspect_text(
     stats = _statistics(model, enc)
     written = None
     if html is not None:
-        page = render(_result(model, text, enc, stats))
+        page = render(_result(model, text, enc, stats), view="text")
         written = atomic_write_text(html, page)
     records = [{k: _rounded(v) for k, v in r.items()} for r in stats.records]
     return records, written

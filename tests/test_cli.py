@@ -68,6 +68,15 @@ def test_prune_writes_results_report_and_model(pruned_run):
     assert set(results["curves"]) == {"michel", "random"}
     lat = results["latency_ms"]
     assert lat["before"] > 0 and lat["after"] > 0 and (lat["batch"], lat["seq_len"]) == (4, 64)
+    # the scores that chose each removal: a pruned head names its scoring, a kept one none
+    removal = results["removal_scores"]
+    kept = {(int(la), h) for la, heads in results["kept_heads"].items() for h in heads}
+    chosen = {(la, h) for la, row in enumerate(removal["scoring"])
+              for h, k in enumerate(row) if k is not None}
+    assert chosen == {(la, h) for la, row in enumerate(results["importance"])
+                      for h in range(len(row))} - kept
+    assert removal["scorings"] > 1  # iterative: the heads left were scored again
+    assert {k for row in removal["scoring"] for k in row if k is not None} != {0}
 
 
 def test_pruned_model_reloads_with_kept_heads(pruned_run):

@@ -108,7 +108,9 @@ def _summary(**over) -> dict:
             "recovery": None, "heads_total": 72, "heads_kept": None, "params_before": 10**7,
             "params_after": None, "latency_ms_before": None, "latency_ms_after": None,
             "report": "r/report.html", "results": "r/results.json", "model_dir": None,
-            "scores": "r/importance.csv", "top_heads": [[3, 7, 0.45], [2, 6, 0.44]]}
+            "scores": "r/importance.csv", "top_heads": [[3, 7, 0.45], [2, 6, 0.44]],
+            "heads_per_layer": [[6] * 12, None], "kv_heads_per_layer": [[6] * 12, None],
+            "kv_cache_bytes_per_token": [None, None], "compared": {}}
     return {**base, **over}
 
 
@@ -130,3 +132,31 @@ def test_latency_in_human_units(capsys):
                   json_mode=False, quiet=False)
     out = capsys.readouterr().out
     assert "26.1 s" in out and "850 ms" in out and "e+0" not in out
+
+
+def test_kv_group_summary_shows_heads_per_layer_the_cache_and_the_compared_methods(
+        capsys, tmp_path):
+    from _report_fixture import make_results
+
+    from headlab.cli.common import print_summary, summary
+    from headlab.results import RunResult
+
+    d = make_results(layers=30, heads=9)
+    d.update(heads_kept=180, kv_heads_per_layer={"before": [3] * 30, "after": [2] * 30},
+             heads_per_layer={"before": [9] * 30, "after": [6] * 30},
+             kv_cache_bytes_per_token={"before": 46080, "after": 30720})
+    d["curves"]["random"][-1]["quality"] = 88.5
+    s = summary(RunResult.from_json(d), tmp_path)
+    assert s["compared"]["random"] == 88.5 and set(s["compared"]) == {"ablation", "random"}
+    print_summary(s, json_mode=False, quiet=False)
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+            for line in out.splitlines() if line.count("│") >= 3}
+    assert rows["per layer"] == ["9 x 30 layers", "6 x 30 layers"]
+    assert rows["key/value heads per layer"] == ["3 x 30 layers", "2 x 30 layers"]
+    assert rows["key/value cache per token"] == ["46.1 KB", "30.7 KB"]
+    assert rows["random choosing instead"] == ["", "88.5"]
+
+    d.update(kind="embedding")  # an encoder keeps no cache: no row
+    print_summary(summary(RunResult.from_json(d), tmp_path), json_mode=False, quiet=False)
+    assert "cache" not in capsys.readouterr().out

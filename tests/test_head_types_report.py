@@ -31,7 +31,7 @@ def test_head_types_round_trip_and_render():
     assert '<section id="head-types">' in page
     assert f"Pruned heads of this type: L{layer}H{head} 0.90." in page
     assert "Pruned heads of this type: none." in page  # no sink head reaches 0.5
-    assert "before the iterative schedule re-scored the heads left" in page
+    assert "The iterative schedule re-scored the heads left after each step" in page
 
 
 def test_without_head_types_there_is_no_section_and_score_runs_say_no_pruning():

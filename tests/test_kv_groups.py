@@ -296,3 +296,21 @@ def test_predicted_speedup_scales_the_attention_share_by_the_keys_read():
     # a window longer than the context saves nothing
     assert predicted_speedup(0.5, kv_full=1, kv_demoted=1, slots=2000,
                              context=1000) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_per_layer_rounding_that_moves_the_kept_fraction_is_one_warning(gqa_dir, caplog):
+    from headlab.runs.inputs import load_model
+    from headlab.runs.pipeline import _target
+
+    model = None
+    for kv_keep, warned in ((0.5, True), (0.66, False)):
+        cfg = RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=kv_keep,
+                        per_layer=True).validated()
+        model = model or load_model(cfg)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="headlab"):
+            assert _target(cfg, model) == 2 * 2  # 2 of 3 key/value heads in each layer
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == (["--per-layer keeps 2 of 3 key/value heads in each layer: 67% of "
+                          "them, not the 50% asked (a layer keeps whole heads)"]
+                         if warned else [])

@@ -383,3 +383,198 @@ def test_summary_counts_the_examples_beside_the_tokens(tmp_path):
     html = _build(r, tmp_path / "r.html").read_text("utf-8")
     assert "<dt>tokens (scoring / held-out)</dt><dd>8,237 / 8,120</dd>" in html
     assert "<dt>examples (scoring / held-out)</dt><dd>354 / 355</dd>" in html
+
+
+# ---------------------------------------------------------------- reading right (issue 37)
+
+def _with_removal_scores(results: dict) -> tuple[dict, tuple[int, int], float]:
+    """results with a three-scoring iterative schedule's removal scores: one pruned head
+    scores far lower in the scoring that removed it (2) than in the first."""
+    layers, heads = len(results["importance"]), len(results["importance"][0])
+    kept = {int(k): set(v) for k, v in results["kept_heads"].items()}
+    scores = [[v * 0.5 for v in row] for row in results["importance"]]
+    scoring = [[None if h in kept[layer] else 1 for h in range(heads)]
+               for layer in range(layers)]
+    layer, head = next((la, h) for la in range(layers) for h in range(heads)
+                       if h not in kept[la])
+    scores[layer][head], scoring[layer][head] = 0.001234, 2
+    return ({**results, "removal_scores": {"scores": scores, "scoring": scoring,
+                                           "scorings": 3}}, (layer, head), 0.001234)
+
+
+def _cell_tip(driver, figure: str, layer: int, head: int) -> str:
+    return driver.execute_script(
+        "return document.querySelector(arguments[0] + ` g.cell[data-layer='${arguments[1]}']"
+        "[data-head='${arguments[2]}'] title`).textContent;", figure, layer, head)
+
+
+@pytest.mark.browser
+def test_importance_map_shows_the_scores_that_chose_each_removal(browser, tmp_path,
+                                                                 full_results):
+    results, (layer, head), score = _with_removal_scores(full_results)
+    _open_clean(browser, _build(results, tmp_path / "report.html"))
+    tip = _cell_tip(browser, "#importance", layer, head)
+    assert f"michel score {score:.4g} (pruned); chosen for removal by scoring 2" in tip
+    caption = browser.find_element("css selector", "#importance .caption").text
+    assert "scores that chose each removal" in caption and "3 scorings" in caption
+    assert "last scoring (2)" in caption
+    browser.execute_script("document.getElementById('importance').scrollIntoView()")
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "report-importance.png"))
+
+
+def test_removal_scores_come_from_the_scoring_before_each_step():
+    from headlab.importance import HeadScores
+    from headlab.schedule import ScheduleResult
+    from headlab.selection import PrunePlan
+
+    nan = math.nan
+    steps = [HeadScores([[0.1, 0.9, 0.2, 0.8]], "michel"),   # removes head 0
+             HeadScores([[nan, 0.7, 0.05, 0.6]], "michel"),  # removes head 2
+             HeadScores([[nan, 0.4, nan, 0.3]], "michel")]   # removes head 3
+    res = ScheduleResult(PrunePlan({0: [1]}, {0: [0, 2, 3]}), steps[0], [], steps)
+    removal = res.removal_scores()
+    assert removal.scoring == [[0, None, 1, 2]] and removal.scorings == 3
+    assert removal.scores == [[0.1, 0.4, 0.05, 0.3]]  # kept head 1: the last scoring's
+    back = RunResult.from_json({"model": "m", "method": "michel", "heads_total": 4,
+                                "importance": [[0.1, 0.9, 0.2, 0.8]],
+                                "removal_scores": removal.to_json()})
+    assert back.removal_scores == removal
+    assert back.to_json()["removal_scores"] == removal.to_json()
+
+
+def _scale_titles(driver) -> dict[str, str]:
+    return driver.execute_script("""
+        const out = {};
+        document.querySelectorAll('svg.heatmap').forEach((svg, i) => {
+          const t = svg.querySelector('.scale-title');
+          out[svg.closest('section').id + ':' + i] = t ? t.textContent : '';
+        });
+        return out;""")
+
+
+@pytest.mark.browser
+def test_every_map_states_its_quantity_and_range_and_head_types_share_one(browser, tmp_path,
+                                                                          full_results):
+    from headlab.report._figures import viridis
+
+    layers, heads = len(full_results["importance"]), len(full_results["importance"][0])
+    induction = [[0.1] * heads for _ in range(layers)]
+    induction[0][1] = 0.014
+    sink = [[0.2] * heads for _ in range(layers)]
+    sink[1][1] = 0.9
+    results = {**full_results, "head_types": {"induction": induction, "sink": sink}}
+    _open_clean(browser, _build(results, tmp_path / "report.html"))
+    titles = _scale_titles(browser)
+    assert len(titles) == 3, titles
+    lo = min(min(r) for r in full_results["importance"])
+    assert titles["importance:0"].startswith(f"michel score, {lo:.4g} to ")
+    assert titles["head-types:1"] == "induction score, 0 to 1 (fixed scale)"
+    assert titles["head-types:2"] == "sink score, 0 to 1 (fixed scale)"
+    # the same score has the same colour on every head-type map: the scale is 0..1
+    fills = browser.execute_script("""
+        return [...document.querySelectorAll('#head-types svg.heatmap')].map((svg) =>
+          svg.querySelector("g.cell[data-layer='1'][data-head='1'] rect").getAttribute('fill')
+        );""")
+    assert fills == [viridis(0.1), viridis(0.9)]
+    browser.execute_script("document.getElementById('head-types').scrollIntoView()")
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "report-head-types.png"))
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("kind", ["pruned", "with-everything"])
+def test_the_navigation_links_every_section(browser, tmp_path, full_results, kind):
+    results = full_results
+    if kind == "with-everything":
+        heads = len(full_results["importance"][0])
+        results = {**full_results, "head_types": {"induction": [[0.5] * heads] * 12},
+                   "recovery": {"method": "lsq", "tokens": 10, "seconds": 1.0},
+                   "tasks": {"hellaswag": {"before": {"acc,none": 0.3},
+                                           "after": {"acc,none": 0.28}}}}
+    _open_clean(browser, _build(results, tmp_path / "report.html"))
+    sections = browser.execute_script(
+        "return [...document.querySelectorAll('main > section')].map((s) => s.id);")
+    links = browser.execute_script(
+        "return [...document.querySelectorAll('nav a')].map((a) => a.getAttribute('href'));")
+    assert links == [f"#{s}" for s in sections]
+    if kind == "with-everything":
+        assert {"head-types", "recovery", "benchmarks"} <= set(sections)
+
+
+def _row_labels(driver) -> list[str]:
+    return [th.text for th in driver.find_elements("css selector",
+                                                   "#summary table.summary tbody th")]
+
+
+@pytest.mark.browser
+def test_rows_and_columns_only_where_they_apply_to_the_kind(browser, tmp_path, full_results):
+    _open_clean(browser, _build(full_results, tmp_path / "decoder.html"))
+    columns = [th.text for th in browser.find_elements("css selector", "#stats-table th")]
+    assert {"cls", "sep", "next"}.isdisjoint(columns)  # all 0.000 under a causal mask
+    assert {"entropy", "first", "prev", "self"} <= set(columns)
+    labels = _row_labels(browser)
+    assert "key/value cache per token" in labels and "loss (held-out)" in labels
+
+    embedding = {**full_results, "kind": "embedding", "family": "bert",
+                 "quality": {"metric": "fidelity", "higher_is_better": True, "before": 1.0,
+                             "after": 0.93, "loss_before": -6.1e-08, "loss_after": 0.07},
+                 "kv_cache": {"unit": "head", "eval_length": 128, "max_length": 512,
+                              "bytes_per_token_eval": [36864, 22118],
+                              "bytes_per_token_max": [36864, 22118]}}
+    _open_clean(browser, _build(embedding, tmp_path / "embedding.html"))
+    labels = _row_labels(browser)
+    assert not [x for x in labels if "cache" in x or "key/value" in x], labels
+    assert not [x for x in labels if x.startswith("loss")], labels
+    assert "-6.1e-08" not in browser.find_element("id", "summary").text
+    assert labels[0] == "fidelity (held-out)"
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "report-embedding.png"))
+
+
+@pytest.mark.browser
+def test_the_recovery_table_shows_the_mlp_fit_errors(browser, tmp_path, full_results):
+    layers = [{"layer": 0, "error_before": 0.5, "error_after": 0.1,
+               "mlp_error_before": 0.25, "mlp_error_after": 0.0625},
+              {"layer": 1, "error_before": 0.4, "error_after": 0.2,
+               "mlp_error_before": 0.125, "mlp_error_after": 0.03125}]
+    results = {**full_results, "recovery": {
+        "method": "lsq", "options": {"ridge": 0.01}, "tokens": 4096, "seconds": 2.0,
+        "layers": layers, "notes": ["the MLP of layer 3 was not refitted: none is declared"]}}
+    _open_clean(browser, _build(results, tmp_path / "report.html"))
+    head = [th.text for th in browser.find_elements(
+        "css selector", "table.recovery-layers thead th")]
+    assert [h.lower() for h in head] == [
+        "layer", "error before", "error after", "mlp error before", "mlp error after"]
+    rows = [[td.text for td in tr.find_elements("css selector", "th, td")]
+            for tr in browser.find_elements("css selector", "table.recovery-layers tbody tr")]
+    assert rows == [["0", "0.5", "0.1", "0.25", "0.0625"], ["1", "0.4", "0.2", "0.125",
+                                                             "0.03125"]]
+    assert "not refitted: none is declared" in browser.find_element("id", "recovery").text
+
+
+@pytest.mark.browser
+def test_the_one_text_view_shows_only_what_one_text_measures(browser, tmp_path, full_results):
+    from headlab.report import render
+
+    result = RunResult.from_json({**full_results, "method": "inspect", "kept_heads": None,
+                                  "curve": None, "curves": None, "files": {},
+                                  "clusters": None})
+    path = tmp_path / "view.html"
+    path.write_text(render(result, view="text"), encoding="utf-8")
+    _open_clean(browser, path)
+    sections = browser.execute_script(
+        "return [...document.querySelectorAll('main > section')].map((s) => s.id);")
+    assert sections == ["gallery", "explorer", "statistics"]
+    links = browser.execute_script(
+        "return [...document.querySelectorAll('nav a')].map((a) => a.getAttribute('href'));")
+    assert links == ["#gallery", "#explorer", "#statistics"]
+    page = browser.find_element("tag name", "body").text
+    assert "not measured" not in page and "results.json" not in page
+    columns = [th.text for th in browser.find_elements("css selector", "#stats-table th")]
+    assert "importance" not in columns and "cluster" not in columns
+    assert len(browser.find_elements("css selector", "#gallery-grid canvas")) == 144
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "inspect-view.png"))
+    with pytest.raises(ValueError, match="view must be one of"):
+        render(result, view="summary")

@@ -255,3 +255,12 @@ def test_bertviz_return_fetches_nothing(tiny_bert, monkeypatch):
     view = viz.head_view(tiny_bert, TEXT, html_action="return")
     assert "<script src=\"https://cdnjs.cloudflare.com" in view.data
     assert viz.model_view(tiny_bert, TEXT, html_action="return").data
+
+
+def test_attention_html_is_a_one_text_view_not_a_run_report(tiny_bert):
+    page = viz.attention_html(tiny_bert, TEXT).page
+    assert "headlab attention view" in page
+    for run_only in ('id="summary"', 'id="importance"', 'id="curve"', 'id="files"',
+                     "not measured", "results.json", ">importance<"):
+        assert run_only not in page, run_only
+    assert 'id="gallery"' in page and 'id="stats-table"' in page

@@ -172,7 +172,8 @@ def _curve(model: HeadModel, blocks: Blocks, ranked: Sequence[tuple[int, int]],
     out = []
     saved = [a.head_gate.clone() for a in model.attentions]
     try:
-        for f in fractions:
+        for f in track(fractions, total=len(fractions),
+                       description="held-out loss with the ranked heads masked"):
             for a, g in zip(model.attentions, saved, strict=True):
                 a.set_gates(g)
             chosen: dict[int, list[int]] = {}

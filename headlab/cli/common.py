@@ -131,7 +131,43 @@ def summary(result: RunResult, out: Path) -> dict:
         "model_dir": str(out / "model") if (out / "model").exists() else None,
         "scores": str(out / "importance.csv") if (out / "importance.csv").exists() else None,
         "top_heads": _top_heads(result.importance, 5),
+        "heads_per_layer": [result.heads_per_layer.before, result.heads_per_layer.after],
+        "kv_heads_per_layer": [result.kv_heads_per_layer.before,
+                               result.kv_heads_per_layer.after],
+        # the cache where the model keeps one (a model that generates text)
+        "kv_cache_bytes_per_token": [result.kv_cache_bytes_per_token.before,
+                                     result.kv_cache_bytes_per_token.after]
+        if _generates(result.kind) else [None, None],
+        # each compared method's held-out quality at the run's last step (--compare)
+        "compared": {m: c[-1].quality for m, c in result.curves.items()
+                     if m != result.method and c},
     }
+
+
+def _generates(kind: str | None) -> bool:
+    from headlab.objectives import OBJECTIVES
+
+    objective = OBJECTIVES.get(kind or "")
+    return objective is None or objective.generates
+
+
+def _per_layer(counts: list[int] | None) -> str:
+    """Counts per layer, short: "9 x 30 layers" when all alike, else each in order."""
+    if not counts:
+        return "-"
+    if len(set(counts)) == 1:
+        return f"{counts[0]} x {len(counts)} layers"
+    return " ".join(str(n) for n in counts)
+
+
+def human_bytes(n: float | None) -> str:
+    """Bytes as a person reads them: 640 B, 9.2 KB, 1.5 MB (powers of 1000)."""
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _top_heads(importance: list[list[float]], k: int) -> list[list]:
@@ -180,8 +216,17 @@ def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
     if summary["recovery"]:
         rows.append((f"  pruned, before {summary['recovery']}", "",
                      fmt(summary["quality_pruned"])))
+    rows += [(f"  {m} choosing instead", "", fmt(q)) for m, q in summary["compared"].items()]
+    heads, kv = summary["heads_per_layer"], summary["kv_heads_per_layer"]
     rows += [("heads", fmt(summary["heads_total"]), fmt(summary["heads_kept"])),
-             ("parameters", fmt(summary["params_before"]), fmt(summary["params_after"])),
+             ("  per layer", _per_layer(heads[0]), _per_layer(heads[1]))]
+    if kv != heads:  # grouped-query attention: fewer key/value heads than query heads
+        rows.append(("key/value heads per layer", _per_layer(kv[0]), _per_layer(kv[1])))
+    cache = summary["kv_cache_bytes_per_token"]
+    if cache[0] is not None:
+        rows.append(("key/value cache per token", human_bytes(cache[0]),
+                     human_bytes(cache[1])))
+    rows += [("parameters", fmt(summary["params_before"]), fmt(summary["params_after"])),
              ("latency", human_ms(summary["latency_ms_before"]),
               human_ms(summary["latency_ms_after"]))]
     for label, before, after in rows:

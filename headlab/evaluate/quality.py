@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from headlab._util.checks import check_int
-from headlab._util.progress import track
+from headlab._util.progress import tokens_in, track
 from headlab.data.blocks import Blocks
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
@@ -49,8 +49,8 @@ def evaluate(model: HeadModel, blocks: Blocks, *, batch_size: int = DEFAULT_BATC
     total_loss = total_count = total_correct = 0.0
     n_tokens = 0
     blocks = blocks.subset(distributed.shard_rows(len(blocks), batch_size))
-    for batch in track(blocks.batches(batch_size), total=blocks.n_batches(batch_size),
-                       description=f"evaluating {objective.metric}"):
+    for batch in track(blocks.batches(batch_size), total=blocks.n_tokens, size=tokens_in,
+                       unit="tokens", description=f"evaluating {objective.metric}"):
         loss, count, correct = objective.example_losses(model, batch)
         _check_finite(loss, "evaluation loss")
         total_loss += float((loss * count).sum())

@@ -30,7 +30,7 @@ import torch
 
 from headlab._util.checkpoint import Checkpoint
 from headlab._util.checks import check_int, check_seed
-from headlab._util.progress import track
+from headlab._util.progress import tokens_in, track
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.importance import gates
@@ -175,8 +175,8 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
         p.requires_grad_(False)  # only the gates need gradients
     try:
         for index, batch in enumerate(track(blocks.batches(batch_size),
-                                            total=blocks.n_batches(batch_size),
-                                            description="scoring heads")):
+                                            total=blocks.n_tokens, size=tokens_in,
+                                            unit="tokens", description="scoring heads")):
             if index < start:  # done before the interruption
                 continue
             B, S = batch["input_ids"].shape
@@ -281,8 +281,8 @@ def _pattern_scores(model, blocks, batch_size, method):
     from headlab.attention.hooks import capture
 
     acc = HeadStatsAccumulator(model.n_layers)
-    for batch in track(blocks.batches(batch_size), total=blocks.n_batches(batch_size),
-                       description=f"{method} of heads"):
+    for batch in track(blocks.batches(batch_size), total=blocks.n_tokens, size=tokens_in,
+                       unit="tokens", description=f"{method} of heads"):
         with capture(model, "pattern") as cap:
             model(batch["input_ids"].to(model.device),
                   attention_mask=batch["attention_mask"].to(model.device))

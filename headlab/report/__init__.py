@@ -52,8 +52,17 @@ def write_report(run_dir: str | Path) -> Path:
     return build_report(RunResult.from_json(data), path.parent / "report.html")
 
 
-def render(result: RunResult) -> str:
-    """The page as one string: inline CSS and JS, the policy, the data block, the figures."""
+VIEWS = ("run", "text")
+
+
+def render(result: RunResult, *, view: str = "run") -> str:
+    """The page as one string: inline CSS and JS, the policy, the data block, the figures.
+
+    ``view="run"`` is a run's report; ``view="text"`` the view of one text's attention
+    (`headlab.viz`): its attention maps, explorer and per-head statistics, without the
+    run's sections (quality, importance, curve, files), which it never measured."""
+    if view not in VIEWS:
+        raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {view!r}")
     js = (_HERE / "report.js").read_text(encoding="utf-8")
     css = (_HERE / "report.css").read_text(encoding="utf-8")
     if "</" in js or "</" in css:
@@ -72,6 +81,8 @@ def render(result: RunResult) -> str:
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     return env.get_template("template.html").render(
         r=result,
+        view=view,
+        importance_caption=_context.importance_caption(result),
         csp=csp,
         css=Markup(css),
         js=Markup(js),
@@ -89,7 +100,7 @@ def render(result: RunResult) -> str:
         figures=_context.figures(result, mask),
         random_curve="random" in _context.run_curves(result),
         cluster_method=result.clusters.method if result.clusters else None,
-        stats=_context.statistics_table(result, mask),
+        stats=_context.statistics_table(result, mask, with_importance=view == "run"),
         head_types=_context.head_types_view(result, mask),
         type_threshold=_context.HEAD_TYPE_THRESHOLD,
         files=_context.file_links(result),

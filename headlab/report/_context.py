@@ -14,6 +14,7 @@ from typing import Any
 
 from markupsafe import Markup
 
+from headlab.objectives import OBJECTIVES, Objective
 from headlab.results import RunResult
 
 from . import _figures
@@ -87,25 +88,40 @@ def _bytes(x: float) -> str:
     return f"{x / 1024:,.1f} KiB" if x >= 1024 else f"{x:,.0f} B"
 
 
+def _objective(result: RunResult) -> Objective | None:
+    """The objective of the run's kind of model; None for a kind this headlab lacks."""
+    return OBJECTIVES.get(result.kind or "")
+
+
 def summary_rows(result: RunResult) -> list[dict]:
-    """Before -> after rows: quality on held-out data, heads, parameters, speed, memory."""
+    """Before -> after rows: quality on held-out data, heads, parameters, speed, memory.
+
+    Rows that do not apply to the model's kind are left out: the loss where the metric
+    compares with the unpruned model (its loss is the metric's complement, and the
+    model as it came scores 0 up to rounding), the key/value cache where the model does
+    not generate text (an encoder keeps no cache)."""
     q, lat = result.quality, result.latency_ms
+    objective = _objective(result)
     lat_note = f"batch {lat.batch} x {lat.seq_len} tokens" if lat and lat.batch \
         and lat.seq_len else ""
-    return [
-        _row(f"{q.metric or 'quality'} (held-out)", q.before, q.after, _sig,
-             higher_is_better=q.higher_is_better),
-        _row("loss (held-out)", q.loss_before, q.loss_after, _sig, higher_is_better=False),
+    rows = [_row(f"{q.metric or 'quality'} (held-out)", q.before, q.after, _sig,
+                 higher_is_better=q.higher_is_better)]
+    if objective is None or not objective.needs_reference:
+        rows.append(_row("loss (held-out)", q.loss_before, q.loss_after, _sig,
+                         higher_is_better=False))
+    rows += [
         _row("attention heads", result.heads_total,
              None if result.score_only else result.heads_kept, _count),
         _row("parameters", result.params.before, result.params.after, _params,
              higher_is_better=False),
         _row("latency", lat.before if lat else None, lat.after if lat else None, _ms,
              higher_is_better=False, note=lat_note),
-        _row("key/value cache per token", result.kv_cache_bytes_per_token.before,
-             result.kv_cache_bytes_per_token.after, _bytes, higher_is_better=False),
-        *kv_cache_rows(result),
     ]
+    if objective is None or objective.generates:
+        rows += [_row("key/value cache per token", result.kv_cache_bytes_per_token.before,
+                      result.kv_cache_bytes_per_token.after, _bytes, higher_is_better=False),
+                 *kv_cache_rows(result)]
+    return rows
 
 
 def kv_cache_rows(result: RunResult) -> list[dict]:
@@ -157,17 +173,23 @@ def recovery_view(result: RunResult) -> dict | None:
                     ("pruned", _sig_or_missing(q.pruned), pruned_change, pruned_tone),
                     (f"pruned + {rec.method}", _sig_or_missing(q.after), after_change,
                      after_tone)],
-        "layers": [(e.layer, _sig_or_missing(e.error_before), _sig_or_missing(e.error_after))
+        "layers": [(e.layer, _sig_or_missing(e.error_before), _sig_or_missing(e.error_after),
+                    _sig_or_missing(e.mlp_error_before), _sig_or_missing(e.mlp_error_after))
                    for e in rec.layers],
+        # the MLP's errors, where lsq refitted its down projection
+        "mlp": any(e.mlp_error_before is not None for e in rec.layers),
+        "notes": list(rec.notes),
     }
 
 
 def per_layer_rows(result: RunResult) -> list[dict]:
     """Heads and key/value heads per layer, before and after, as space-separated counts."""
     rows = []
+    objective = _objective(result)
     for counts, label in ((result.heads_per_layer, "heads per layer"),
                           (result.kv_heads_per_layer, "key/value heads per layer")):
-        if counts.before is None and counts.after is None:
+        if counts.before is None and counts.after is None or (
+                label.startswith("key") and objective is not None and not objective.generates):
             continue
         rows.append({"label": label, **{
             side: NOT_MEASURED if value is None else " ".join(str(n) for n in value)
@@ -226,8 +248,10 @@ def _is_statistic(v: Any) -> bool:
     return v is None or (isinstance(v, int | float) and not isinstance(v, bool))
 
 
-def statistics_table(result: RunResult, mask: list[list[bool]] | None) -> dict | None:
-    """Columns and rows of the per-head statistics table, with importance and cluster.
+def statistics_table(result: RunResult, mask: list[list[bool]] | None, *,
+                     with_importance: bool = True) -> dict | None:
+    """Columns and rows of the per-head statistics table, with importance (unless not
+    ``with_importance``) and cluster (where the run clustered the heads).
 
     Each cell is (text, sort key); the sort key is a number, or "" when missing so the
     browser-side sort puts it last.
@@ -238,8 +262,11 @@ def statistics_table(result: RunResult, mask: list[list[bool]] | None) -> dict |
     # The columns are the records' own keys, in the order headlab.analysis writes them
     # (STAT_NAMES), so the report needs no copy of that list and shows any statistic a
     # later version adds. A null is a statistic that had no rows to average.
-    stats = list(dict.fromkeys(k for r in records for k, v in r.items()
-                               if k not in ("layer", "head") and _is_statistic(v)))
+    # A column that is zero for every head says nothing about any of them ([CLS] and
+    # [SEP] in a model without them, the next token under a causal mask): left out.
+    stats = [c for c in dict.fromkeys(k for r in records for k, v in r.items()
+                                      if k not in ("layer", "head") and _is_statistic(v))
+             if any(_num(r.get(c)) for r in records)]
     clusters = result.clusters
     labels = clusters.labels if clusters else []
     names = clusters.names if clusters else {}
@@ -259,12 +286,15 @@ def statistics_table(result: RunResult, mask: list[list[bool]] | None) -> dict |
                  (str(head), head if isinstance(head, int) else "")]
         cells += [(f"{v:.3f}", v) if (v := _num(r.get(c))) is not None else ("", "")
                   for c in stats]
-        cells.append((f"{imp:.3f}", imp) if imp is not None else ("", ""))
-        cells.append((cluster, cluster))
+        if with_importance:
+            cells.append((f"{imp:.3f}", imp) if imp is not None else ("", ""))
+        if clusters is not None:
+            cells.append((cluster, cluster))
         if mask is not None:
             cells.append(("pruned" if is_pruned else "kept", int(is_pruned)))
         rows.append({"cells": cells, "pruned": is_pruned})
-    columns = ["layer", "head", *stats, "importance", "cluster"]
+    columns = ["layer", "head", *stats, *(["importance"] if with_importance else []),
+               *(["cluster"] if clusters is not None else [])]
     columns += ["status"] if mask is not None else []
     return {"columns": columns, "rows": rows}
 
@@ -327,12 +357,49 @@ def figures(result: RunResult, mask: list[list[bool]] | None) -> dict[str, Marku
                                            {str(k): v for k, v in clusters.names.items()},
                                            heads, pruned)
     return {
-        "heatmap": _figures.importance_heatmap(result.importance, mask),
+        "heatmap": _importance_heatmap(result, mask),
         "curve": _figures.curves_chart(run_curves(result), metric=q.metric or "quality",
                                        higher_is_better=q.higher_is_better,
                                        run_fraction=run_fraction),
         "clusters": scatter,
     }
+
+
+def _importance_heatmap(result: RunResult, mask: list[list[bool]] | None) -> Markup:
+    """The scores that chose each removal where the run wrote them, else the first
+    scoring; each pruned head's tooltip names the scoring that chose it."""
+    quantity = f"{result.method} score"
+    removal = result.removal_scores
+    if removal is None or mask is None:
+        return _figures.importance_heatmap(result.importance, mask, quantity=quantity)
+    notes = [[f"chosen for removal by scoring {k}" if k is not None else ""
+              for k in row] for row in removal.scoring]
+    return _figures.importance_heatmap(removal.scores, mask, quantity=quantity, notes=notes)
+
+
+def importance_caption(result: RunResult) -> str:
+    """Which scores the importance map shows: it must say, since an iterative schedule
+    re-scores the heads left and the first scoring did not choose the later removals."""
+    how = result.method + (f", normalised {result.importance_normalisation}"
+                           if result.importance_normalisation else "")
+    if result.score_only:
+        return f"Score of each head ({how}) on the unpruned model; brighter matters more."
+    removal = result.removal_scores
+    if removal is None:
+        later = (" The iterative schedule re-scored the heads left after each step; those "
+                 "scores, which chose the later removals, are not in this results.json."
+                 if result.schedule == "iterative" else "")
+        return (f"Score of each head ({how}) in the first scoring, of the unpruned model; "
+                f"brighter matters more.{later}")
+    if removal.scorings == 1:
+        return (f"Score of each head ({how}) in the one scoring, of the unpruned model, "
+                "that chose every removal; brighter matters more.")
+    return (f"The scores that chose each removal ({how}): a pruned head shows its score in "
+            f"the scoring that removed it (the iterative schedule ran {removal.scorings} "
+            "scorings, the first on the unpruned model, each later one on the heads left), "
+            f"a kept head its score in the last scoring ({removal.scorings - 1}). Scores of "
+            "different scorings rate different models (the heads left then); brighter "
+            "matters more.")
 
 
 # a head counts as of a type from this detector score on (the scores are in [0, 1])
@@ -352,7 +419,9 @@ def head_types_view(result: RunResult, mask: list[list[bool]] | None) -> list[di
                   and mask[layer][head] and v >= HEAD_TYPE_THRESHOLD]
         views.append({
             "kind": kind,
-            "heatmap": _figures.importance_heatmap(grid, mask),
+            # detector scores lie in [0, 1]: one fixed scale, so maps compare by colour
+            "heatmap": _figures.importance_heatmap(grid, mask, quantity=f"{kind} score",
+                                                   scale=(0.0, 1.0)),
             "top": ", ".join(f"L{layer}H{head} {v:.2f}" for layer, head, v in top),
             "typed": sum(v >= HEAD_TYPE_THRESHOLD for _, _, v in flat),
             "pruned": ", ".join(f"L{layer}H{head} {v:.2f}" for layer, head, v in pruned),

@@ -48,16 +48,23 @@ def _svg(width: float, height: float, body: list[str], *, css_class: str, label:
 
 
 def importance_heatmap(importance: Sequence[Sequence[float | None]],
-                       pruned: Sequence[Sequence[bool]] | None) -> Markup:
-    """Layers (rows, layer 0 on top) x heads (columns), coloured by importance.
+                       pruned: Sequence[Sequence[bool]] | None, *, quantity: str,
+                       scale: tuple[float, float] | None = None,
+                       notes: Sequence[Sequence[str]] | None = None) -> Markup:
+    """Layers (rows, layer 0 on top) x heads (columns), coloured by ``quantity``.
 
-    Pruned heads carry a white cross; heads without a finite score are grey. The
-    colour scale spans the matrix's own min..max and is drawn as a bar underneath.
+    Pruned heads carry a white cross; heads without a finite value are grey. The colour
+    scale spans ``scale`` when given (a fixed range, the same on several maps), else the
+    matrix's own min..max, and is drawn underneath with the quantity and its range.
+    ``notes[layer][head]``, when given, is added to the cell's tooltip.
     """
     n_layers = len(importance)
     n_heads = max((len(row) for row in importance), default=0)
     values = [v for row in importance for v in row if _finite(v)]
-    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if scale is not None:
+        lo, hi = scale
+    else:
+        lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     span = hi - lo or 1.0
     cell = max(10.0, min(34.0, 560.0 / max(n_heads, 1), 720.0 / max(n_layers, 1)))
     left, top = 54.0, 30.0
@@ -82,17 +89,19 @@ def importance_heatmap(importance: Sequence[Sequence[float | None]],
                              and pruned[layer][head])
             fill = viridis((v - lo) / span) if _finite(v) else _MISSING
             value = _fmt(v) if _finite(v) else "not scored"
-            tip = f"layer {layer}, head {head}: importance {value}"
+            tip = f"layer {layer}, head {head}: {quantity} {value}"
             tip += " (pruned)" if is_pruned else ""
+            if notes and layer < len(notes) and head < len(notes[layer]) and notes[layer][head]:
+                tip += f"; {notes[layer][head]}"
             body.append(f'<g class="cell" data-layer="{layer}" data-head="{head}">'
                         f'<rect x="{x:.1f}" y="{y:.1f}" width="{cell:.1f}" height="{cell:.1f}" '
-                        f'fill="{fill}"><title>{tip}</title></rect>')
+                        f'fill="{fill}"><title>{escape(tip)}</title></rect>')
             if is_pruned:
                 body.append(_cross(x, y, cell))
             body.append("</g>")
 
-    # Colour bar with the scale's ends, then the pruned-head key beside it.
-    bar_y, bar_w = grid_bottom + 14, min(220.0, cell * n_heads)
+    # Colour bar with the scale's ends and what it measures, then the pruned-head key.
+    bar_y, bar_w = grid_bottom + 14, max(160.0, min(220.0, cell * n_heads))
     body.append('<defs><linearGradient id="importance-ramp">' + "".join(
         f'<stop offset="{i / 4:.2f}" stop-color="{viridis(i / 4)}"/>' for i in range(5)
     ) + "</linearGradient></defs>")
@@ -101,8 +110,11 @@ def importance_heatmap(importance: Sequence[Sequence[float | None]],
     body.append(f'<text x="{left}" y="{bar_y + 24}">{_fmt(lo)}</text>')
     body.append(f'<text x="{left + bar_w:.1f}" y="{bar_y + 24}" text-anchor="end">'
                 f"{_fmt(hi)}</text>")
-    body.append(f'<text x="{left + bar_w / 2:.1f}" y="{bar_y + 38}" text-anchor="middle" '
-                'class="axis-title">importance</text>')
+    extent = "fixed scale" if scale is not None else "this map's range"
+    title = f"{quantity}, {_fmt(lo)} to {_fmt(hi)} ({extent})"
+    body.append(f'<text x="{left}" y="{bar_y + 38}" class="axis-title scale-title">'
+                f"{escape(title)}</text>")
+    width = max(width, left + 7 * len(title))
     if pruned:
         kx = left + bar_w + 24
         body.append(f'<rect x="{kx}" y="{bar_y - 2}" width="14" height="14" '
@@ -110,7 +122,7 @@ def importance_heatmap(importance: Sequence[Sequence[float | None]],
         body.append(f'<text x="{kx + 20}" y="{bar_y + 9}">pruned</text>')
         width = max(width, kx + 80)
     return _svg(width, height, body, css_class="figure heatmap",
-                label="importance of each head, layers by heads")
+                label=f"{quantity} of each head, layers by heads")
 
 
 def _cross(x: float, y: float, size: float) -> str:

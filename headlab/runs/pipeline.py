@@ -145,7 +145,13 @@ def _target(cfg: RunConfig, model: HeadModel) -> int:
     if cfg.per_layer and len(sizes) == 1:
         # the fraction of each layer's groups, rounded up per layer: every layer keeps
         # the same number, so the model keeps one key/value head count (HF-exportable)
-        return len(groups) * heads_to_keep(sizes.pop(), keep=fraction)
+        size = sizes.pop()
+        per_layer = heads_to_keep(size, keep=fraction)
+        if abs(per_layer / size - fraction) > 0.05:
+            log.warning("--per-layer keeps %d of %d key/value heads in each layer: %.0f%% of "
+                        "them, not the %.0f%% asked (a layer keeps whole heads)", per_layer,
+                        size, 100 * per_layer / size, 100 * fraction)
+        return len(groups) * per_layer
     return heads_to_keep(sum(len(layer) for layer in groups), keep=fraction)
 
 

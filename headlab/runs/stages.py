@@ -17,6 +17,7 @@ import torch
 from headlab import __version__
 from headlab._util.checkpoint import Checkpoint
 from headlab._util.io import atomic_dir, atomic_write_json
+from headlab._util.progress import spinner, track
 from headlab.analysis.overview import overview
 from headlab.data.blocks import Blocks
 from headlab.data.texts import BUNDLED_SPEC, BUNDLED_WARNING
@@ -206,6 +207,7 @@ class Stage:
         q_before = res.curve[0]
         result = self._result(
             res.scores, heads_kept=plan.n_kept, kept_heads=plan.kept,
+            removal_scores=res.removal_scores(),
             heads_per_layer=BeforeAfter(before.heads, after.heads),
             kv_heads_per_layer=BeforeAfter(before.kv_heads, after.kv_heads),
             quality=QualityFigures(
@@ -241,7 +243,8 @@ class Stage:
         cfg = self.cfg
         log.info("timing the pruned model against the unpruned one")
         lat_s = min(cfg.latency_seq_len, self.seq_len)
-        t_before, t_after = compare_latency(self.model, pruned, cfg.latency_batch, lat_s)
+        with spinner("timing the pruned model against the unpruned one"):
+            t_before, t_after = compare_latency(self.model, pruned, cfg.latency_batch, lat_s)
         return Latency(t_before, t_after, batch=cfg.latency_batch, seq_len=lat_s)
 
     def _save(self, pruned: HeadModel, *, repaired: bool) -> None:
@@ -365,14 +368,16 @@ class Stage:
     def _overview(self):
         """The unpruned model's sample, statistics and clusters, for the report."""
         log.info("analysing heads on a held-out sample")
-        return overview(self.model, self.heldout, sample_tokens=self.cfg.sample_tokens,
-                        seed=self.cfg.seed)
+        with spinner("analysing heads on a held-out sample"):
+            return overview(self.model, self.heldout, sample_tokens=self.cfg.sample_tokens,
+                            seed=self.cfg.seed)
 
     def _head_types(self) -> dict[str, list[list[float]]]:
         """The unpruned model's detector scores by kind, for the report's head types."""
         log.info("detecting head types")
         found = {}
-        for kind in kinds_for(self.model):
+        kinds = kinds_for(self.model)
+        for kind in track(kinds, total=len(kinds), description="detecting head types"):
             try:
                 found[kind] = detect(self.model, kind, n=8, seq_len=min(64, self.seq_len),
                                      seed=self.cfg.seed).scores
