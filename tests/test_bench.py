@@ -360,6 +360,41 @@ def test_flops_of_a_tiny_llama_with_gqa_by_hand():
     assert f["total"] == 1536 + 320 + 3072 + 640
 
 
+@pytest.mark.parametrize("seq", [16, 96])
+def test_flops_equal_torch_flop_counter_on_a_pruned_gqa_llama(seq):
+    """torch.utils.flop_counter over one forward: its matmuls (aten.mm) are the model's
+    projections, MLP and LM head; its SDPA count charges every query-key pair of the
+    S x S square (torch's sdpa_flop_count, here applied to the CPU kernel too), of
+    which a causal model computes S(S+1)/2."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+        B, H, _, D = query_shape  # GQA keys (B, H_kv, T, D): count them per query head
+        return sdpa_flop_count(query_shape, (B, H, key_shape[2], D),
+                               (B, H, value_shape[2], value_shape[3]))
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_hf(dict(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))).eval()
+    model.prune_heads({0: [1], 1: [0, 2]})  # 3 and 2 query heads left, uneven layers
+    B = 2
+    counter = FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa})
+    with torch.no_grad(), counter:
+        model(torch.randint(0, 50, (B, seq)))
+    counted = counter.get_flop_counts()["Global"]
+    ours = count_flops(model, B, seq)
+    assert set(counted) == {aten.mm, aten._scaled_dot_product_flash_attention_for_cpu}
+    assert counted[aten.mm] == ours["projections"] + ours["mlp"] + ours["lm_head"]
+    pairs = seq * (seq + 1) // 2
+    sdpa = counted[aten._scaled_dot_product_flash_attention_for_cpu]
+    assert sdpa * pairs == ours["attention"] * seq * seq
+    assert ours["total"] == counted[aten.mm] + ours["attention"]
+
+
 # ---------------------------------------------------------------------- memory
 def test_peak_bytes_sees_a_temporary_allocation():
     def make():
