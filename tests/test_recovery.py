@@ -168,6 +168,25 @@ def test_ridge_solve_equals_numpy_lstsq(ridge):
     assert _relative(ours, expected) < 1e-8
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_normal_equations_equal_numpy_sums(fast):
+    """X^T X (symmetric, taken in column blocks at this width) and X^T Y over uneven
+    batches against float64 numpy: exact to float64 rounding, or within float32's
+    (relative 1e-6) with ``fast``, the rows coming in float32 as a model gives them."""
+    gen = np.random.default_rng(2)
+    x = (gen.normal(size=(900, 300)) + 0.5).astype(np.float32)  # (N, P), a mean as in
+    y = gen.normal(size=(900, 7)).astype(np.float32)  # (N, E)    activations after GELU
+    eq = NormalEquations(300, 7, torch.device("cpu"), fast=fast)
+    for rows in np.array_split(np.arange(900), 4):
+        eq.add(torch.from_numpy(x[rows]), torch.from_numpy(y[rows]))
+    xd, yd = x.astype(np.float64), y.astype(np.float64)
+    assert torch.equal(eq.xtx, eq.xtx.T)
+    tol = 1e-6 if fast else 1e-12
+    assert _relative(eq.xtx.numpy(), xd.T @ xd) < tol
+    assert _relative(eq.xty.numpy(), xd.T @ yd) < tol
+    assert eq.rows == 900
+
+
 def test_rank_deficient_ridge_zero_falls_back_to_least_squares():
     gen = np.random.default_rng(1)
     x = gen.normal(size=(100, 6))

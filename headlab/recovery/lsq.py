@@ -56,9 +56,23 @@ class NormalEquations:
         if self.dtype == torch.float64:
             x, y = x.to(self.xtx.device), y.to(self.xtx.device)
         x, y = x.to(self.dtype), y.to(self.dtype)
-        self.xtx += (x.T @ x).to(self.xtx.device, torch.float64)
+        self.xtx += _gram(x).to(self.xtx.device, torch.float64)
         self.xty += (x.T @ y).to(self.xty.device, torch.float64)
         self.rows += x.shape[0]
+
+
+def _gram(x: torch.Tensor, parts: int = 4) -> torch.Tensor:
+    """x^T x (P, P) of x (N, P), symmetric: the products above the diagonal in
+    ``parts`` column blocks, mirrored below, (parts + 1) / (2 parts) of the work."""
+    P = x.shape[1]
+    if P < 256:  # blocks too thin to pay for themselves
+        return x.T @ x
+    width = -(-P // parts)
+    upper = x.new_zeros(P, P)
+    for a in range(0, P, width):
+        upper[a:a + width, a:] = x[:, a:a + width].T @ x[:, a:]  # (width, P - a)
+    upper = upper.triu()
+    return upper + upper.triu(1).T
 
 
 def solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, w0: torch.Tensor,
