@@ -68,6 +68,11 @@ def test_prune_writes_results_report_and_model(pruned_run):
     assert set(results["curves"]) == {"michel", "random"}
     lat = results["latency_ms"]
     assert lat["before"] > 0 and lat["after"] > 0 and (lat["batch"], lat["seq_len"]) == (4, 64)
+    # and at the longer length attention weighs at, capped by the model's 128 positions
+    by_length = lat["by_length"]
+    assert [(x["batch"], x["seq_len"]) for x in by_length] == [(4, 64), (1, 128)]
+    assert (by_length[0]["before"], by_length[0]["after"]) == (lat["before"], lat["after"])
+    assert all(0 < x["predicted_drop"] < 1 and x["after"] > 0 for x in by_length)
 
 
 def test_pruned_model_reloads_with_kept_heads(pruned_run):

@@ -1,5 +1,5 @@
 """``headlab bench pruning``: the latency drop of a model physically pruned to keep half
-of its heads, against the drop its FLOPs predict (`count_flops`)."""
+of its heads, against the drop its FLOPs predict (`headlab.models.flops.count_flops`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from headlab._util.timing import ms, time_interleaved
 from headlab.bench._common import BenchResult, Timing
 from headlab.bench._models import GPT2_SMALL, ModelCache, ModelSpec, model_cache, random_ids
+from headlab.models.flops import count_flops
 
 __all__ = ["PruningSizes", "bench_pruning", "count_flops"]
 
@@ -25,41 +25,6 @@ class PruningSizes(Timing):
     shapes: tuple[tuple[int, int], ...] = ((16, 128), (1, 128))  # (B, S); the first is judged
     keep: float = 0.5
     repeats: int = 15  # a ~12% effect under run-to-run noise of about as much
-
-
-def count_flops(model, batch: int, seq: int) -> dict[str, int]:
-    """FLOPs (2 per multiply-add) of one forward of ``batch`` x ``seq`` tokens, no cache.
-
-    Counted analytically from the model's current (possibly pruned) shapes:
-    ``projections`` (W_Q, W_K, W_V, W_O), ``attention`` (Q K^T and weights @ V, over
-    S(S+1)/2 query-key pairs per head when causal, S^2 otherwise), ``mlp``, ``lm_head``
-    and ``other`` linear layers (a pooler or classifier runs on one token per row).
-    Norms, softmax, activations and embeddings lookups are left out: they are O(E) per
-    token against the O(E^2) matmuls.
-    """
-    tokens = batch * seq
-    pairs = seq * (seq + 1) // 2 if model.causal else seq * seq
-    out = {"projections": 0, "attention": 0, "mlp": 0, "lm_head": 0, "other": 0}
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear):
-            continue
-        rows = batch if name.split(".")[0] in ("pooler", "classifier") else tokens
-        flops = 2 * mod.in_features * mod.out_features * rows
-        if ".attn." in name:
-            out["projections"] += flops
-        elif ".mlp." in name:
-            out["mlp"] += flops
-        elif name == "lm_head":
-            out["lm_head"] += flops
-        else:
-            out["other"] += flops
-    if getattr(model, "head", None) == "mlm":  # BERT's decoder is the embedding matrix
-        vocab, width = model.wte.weight.shape
-        out["lm_head"] += 2 * width * vocab * tokens
-    for attn in model.attentions:
-        out["attention"] += 2 * 2 * batch * attn.n_heads * attn.head_dim * pairs
-    out["total"] = sum(out.values())
-    return out
 
 
 def bench_pruning(sizes: PruningSizes, *, device: str = "cpu",

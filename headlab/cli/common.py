@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +118,7 @@ def summary(result: RunResult, out: Path) -> dict:
         "params_before": result.params.before, "params_after": result.params.after,
         "latency_ms_before": lat.before if lat else None,
         "latency_ms_after": lat.after if lat else None,
+        "latency_by_length": [] if lat is None else [asdict(x) for x in lat.by_length],
         "report": str(out / "report.html"), "results": str(out / "results.json"),
         "model_dir": str(out / "model") if (out / "model").exists() else None,
     }
@@ -152,6 +154,9 @@ def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
     t.add_row("heads", fmt(summary["heads_total"]), fmt(summary["heads_kept"]))
     t.add_row("parameters", fmt(summary["params_before"]), fmt(summary["params_after"]))
     t.add_row("latency (ms)", fmt(summary["latency_ms_before"]), fmt(summary["latency_ms_after"]))
+    for x in summary.get("latency_by_length", [])[1:]:  # where attention's S^2 terms weigh
+        t.add_row(f"  at {x['seq_len']} tokens, batch {x['batch']}", fmt(x["before"]),
+                  fmt(x["after"]))
     console = Console()
     console.print(t)
     console.print(f"report:  {summary['report']}")
