@@ -128,7 +128,8 @@ def test_each_benchmark_has_its_targets(tiny_run):
                                  for m in PRESETS["tiny"]["models"].models}
     assert figures["hooks"] == {"idle_over_switched_off"}
     assert figures["importance"] == {"scoring_over_forward_backward"}
-    assert figures["pruning"] == {"B4_S16.drop_over_predicted"}
+    assert figures["pruning"] == {"B4_S16.drop_over_predicted",
+                                  "S64.heads.drop_over_predicted"}
     long = {f for f in figures["generate"] if f.startswith("long_")}
     assert figures["generate"] - long == {"speed_vs_transformers", "kernel_over_torch_products"}
     # the long-context section: exact cache bytes at both contexts, the demotion speed-up
@@ -248,6 +249,28 @@ def test_pruning_records_flops_and_prediction(tiny_run):
     assert flops["predicted_drop"] == pytest.approx(
         1 - flops["after"]["total"] / flops["before"]["total"])
     assert sum(r.checks["heads_per_layer_after"]) == 4  # half of 2 layers x 4 heads
+
+
+def test_pruning_by_length_times_both_units_within_the_positions(tiny_run):
+    """The length sweep on the tiny Llama (256 positions: 512 left out): query heads kept
+    by 0.6 and key/value groups by 0.5, each timed and predicted at every length, the
+    predicted drop growing with S as the S^2 attention terms take a larger share."""
+    _, results = tiny_run
+    r = next(r for r in results if r.name == "pruning")
+    table = r.checks["by_length"]
+    assert list(table) == ["16", "64"]
+    heads = r.checks["by_length_heads"]
+    assert sum(heads["heads"]) == 5  # 0.6 of 2 layers x 4 heads
+    assert sum(heads["kv_groups"]) == 4  # 2 of 4 groups of 2 query heads
+    for S, row in table.items():
+        for unit in ("heads", "kv_groups"):
+            predicted = 1 - row[unit]["flops"]["total"] / row["flops_before"]["total"]
+            assert row[unit]["predicted_drop"] == pytest.approx(predicted, rel=1e-12)
+            assert row[unit]["after_ms"] > 0
+            assert r.figures[f"S{S}.{unit}.predicted_drop"].median == pytest.approx(predicted)
+            assert r.figures[f"S{S}.{unit}.drop"].n == 2
+    for unit in ("heads", "kv_groups"):
+        assert 0 < table["16"][unit]["predicted_drop"] < table["64"][unit]["predicted_drop"]
 
 
 def test_memory_figures_come_from_a_real_measurement(tiny_run):
