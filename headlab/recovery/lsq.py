@@ -37,16 +37,19 @@ DEFAULT_RIDGE = 0.3  # measured on both bundled models: README, "Prune and repai
 class NormalEquations:
     """X^T X (P, P) and X^T Y (P, E), summed in float64 over batches of rows.
 
-    With ``fast``, each batch's products are taken in float32 on the rows' device and
-    only their sums kept in float64: the N P^2 work runs at float32 speed, with the
-    rounding of one batch's float32 sum (relative ~1e-6). A ridge fit is as accurate
-    as that (its lambda bounds the condition number); an unregularised one (ridge 0)
-    is not, and takes the products in float64."""
+    X^T X is symmetric: each batch adds only the products on and above the diagonal, in
+    ``_PARTS`` column blocks ((parts + 1) / (2 parts) of the work), and `xtx` mirrors
+    them once when read. With ``fast``, each batch's products are taken in float32 on
+    the rows' device and only their sums kept in float64: the N P^2 work runs at float32
+    speed, with the rounding of one batch's float32 sum (relative ~1e-6). A ridge fit is
+    as accurate as that (its lambda bounds the condition number); an unregularised one
+    (ridge 0) is not, and takes the products in float64."""
 
     def __init__(self, p: int, e: int, device: torch.device, *, fast: bool = False) -> None:
         if device.type == "mps":  # no float64 there
             device = torch.device("cpu")
-        self.xtx = torch.zeros(p, p, dtype=torch.float64, device=device)
+        self._upper = torch.zeros(p, p, dtype=torch.float64, device=device)
+        self._mirrored: torch.Tensor | None = None
         self.xty = torch.zeros(p, e, dtype=torch.float64, device=device)
         self.dtype = torch.float32 if fast else torch.float64
         self.rows = 0
@@ -54,25 +57,28 @@ class NormalEquations:
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """x (N, P), y (N, E)."""
         if self.dtype == torch.float64:
-            x, y = x.to(self.xtx.device), y.to(self.xtx.device)
+            x, y = x.to(self.xty.device), y.to(self.xty.device)
         x, y = x.to(self.dtype), y.to(self.dtype)
-        self.xtx += _gram(x).to(self.xtx.device, torch.float64)
+        P = x.shape[1]
+        width = -(-P // _PARTS) if P >= _MIN_BLOCKED else P
+        for a in range(0, P, width):  # rows a .. a + width of the upper triangle
+            block = x[:, a:a + width].T @ x[:, a:]  # (width, P - a)
+            self._upper[a:a + width, a:] += block.to(self.xty.device, torch.float64)
         self.xty += (x.T @ y).to(self.xty.device, torch.float64)
         self.rows += x.shape[0]
+        self._mirrored = None
+
+    @property
+    def xtx(self) -> torch.Tensor:
+        """X^T X (P, P), float64, exactly symmetric."""
+        if self._mirrored is None:
+            upper = self._upper.triu()
+            self._mirrored = upper + upper.triu(1).T
+        return self._mirrored
 
 
-def _gram(x: torch.Tensor, parts: int = 4) -> torch.Tensor:
-    """x^T x (P, P) of x (N, P), symmetric: the products above the diagonal in
-    ``parts`` column blocks, mirrored below, (parts + 1) / (2 parts) of the work."""
-    P = x.shape[1]
-    if P < 256:  # blocks too thin to pay for themselves
-        return x.T @ x
-    width = -(-P // parts)
-    upper = x.new_zeros(P, P)
-    for a in range(0, P, width):
-        upper[a:a + width, a:] = x[:, a:a + width].T @ x[:, a:]  # (width, P - a)
-    upper = upper.triu()
-    return upper + upper.triu(1).T
+_PARTS = 4
+_MIN_BLOCKED = 256  # narrower X^T X in one product: thin blocks do not pay for themselves
 
 
 def solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, w0: torch.Tensor,
