@@ -136,6 +136,8 @@ def test_each_benchmark_has_its_targets(tiny_run):
     assert {"long_pruned_cache_error_bytes_at_32", "long_demoted_cache_error_bytes_at_32",
             "long_pruned_cache_error_bytes_at_252", "long_demoted_cache_error_bytes_at_252",
             "long_demoted_speedup_over_predicted"} <= long
+    assert {f"long_{m}_headroom_over_budget_bytes" for m in ("before", "pruned", "demoted")
+            } <= long
     assert figures["quality"] == {"minilm-l6.michel_unnormalised_over_random"}
     assert figures["recovery"] == {"minilm-l6.kept_over_none", "minilm-l6.recover_over_michel",
                                    "minilm-l6.keep_1_max_abs_diff"}
@@ -271,6 +273,24 @@ def test_pruning_by_length_times_both_units_within_the_positions(tiny_run):
             assert r.figures[f"S{S}.{unit}.drop"].n == 2
     for unit in ("heads", "kv_groups"):
         assert 0 < table["16"][unit]["predicted_drop"] < table["64"][unit]["predicted_drop"]
+
+
+def test_serving_headroom_fills_the_budget_and_decodes_within_it(tiny_run):
+    """The tiny Llama's budget is its own cache at 2 rows x (64 + 3 + 1) positions: half
+    its groups removed fit 4 rows, the same groups demoted (2 sinks + 8 slots) fit as
+    many as their bytes allow; each decoded batch holds exactly the predicted cache,
+    within the budget, and one more row would not fit."""
+    _, results = tiny_run
+    gen = next(r for r in results if r.name == "generate")
+    head = gen.checks["long_headroom"]
+    assert (head["before"]["rows"], head["pruned"]["rows"]) == (2, 4)
+    # per row: one full group x 68 positions + one demoted x 10 slots, of 2 x 68
+    assert head["demoted"]["rows"] == (2 * 2 * 68) // (68 + 10) == 3
+    for name, h in head.items():
+        assert h["held"] == h["predicted"] <= h["budget"], name
+        assert h["predicted"] // h["rows"] * (h["rows"] + 1) > h["budget"], name
+        assert gen.figures[f"long_{name}_headroom_tokens_per_s"].median > 0
+        assert gen.figures[f"long_{name}_headroom_over_budget_bytes"].median == 0
 
 
 def test_memory_figures_come_from_a_real_measurement(tiny_run):
