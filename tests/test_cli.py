@@ -73,6 +73,7 @@ def test_prune_writes_results_report_and_model(pruned_run):
     assert [(x["batch"], x["seq_len"]) for x in by_length] == [(4, 64), (1, 128)]
     assert (by_length[0]["before"], by_length[0]["after"]) == (lat["before"], lat["after"])
     assert all(0 < x["predicted_drop"] < 1 and x["after"] > 0 for x in by_length)
+    assert summary["latency_by_length"] == by_length  # the summary printed shows both
 
 
 def test_pruned_model_reloads_with_kept_heads(pruned_run):
