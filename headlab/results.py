@@ -51,12 +51,25 @@ class QualityFigures(BeforeAfter[float]):
 
 
 @dataclass
-class Latency(BeforeAfter[float]):
-    """Median forward times (ms) of the unpruned and the pruned model on one input of
-    ``batch`` x ``seq_len`` tokens."""
+class LengthLatency(BeforeAfter[float]):
+    """Median forward times (ms) of the unpruned and the pruned model on ``batch`` x
+    ``seq_len`` tokens, and the drop in time their FLOPs predict
+    (`headlab.models.flops.count_flops`: projections, S^2 attention terms, MLP)."""
 
     batch: int | None = None
     seq_len: int | None = None
+    predicted_drop: float | None = None
+
+
+@dataclass
+class Latency(BeforeAfter[float]):
+    """Median forward times (ms) of the unpruned and the pruned model on one input of
+    ``batch`` x ``seq_len`` tokens; ``by_length`` the same at each length measured, that
+    one and a longer one where attention's S^2 terms weigh (head pruning pays there)."""
+
+    batch: int | None = None
+    seq_len: int | None = None
+    by_length: list[LengthLatency] = field(default_factory=list)
 
 
 @dataclass
@@ -241,7 +254,11 @@ class RunResult:
                                _int(_section(d, "params").get("after"))),
             latency_ms=None if not isinstance(latency, dict) else Latency(
                 _float(latency.get("before")), _float(latency.get("after")),
-                _int(latency.get("batch")), _int(latency.get("seq_len"))),
+                _int(latency.get("batch")), _int(latency.get("seq_len")),
+                [LengthLatency(_float(x.get("before")), _float(x.get("after")),
+                               _int(x.get("batch")), _int(x.get("seq_len")),
+                               _float(x.get("predicted_drop")))
+                 for x in latency.get("by_length") or [] if isinstance(x, dict)]),
             kv_cache_bytes_per_token=BeforeAfter(
                 _int(_section(d, "kv_cache_bytes_per_token").get("before")),
                 _int(_section(d, "kv_cache_bytes_per_token").get("after"))),

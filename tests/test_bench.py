@@ -128,13 +128,16 @@ def test_each_benchmark_has_its_targets(tiny_run):
                                  for m in PRESETS["tiny"]["models"].models}
     assert figures["hooks"] == {"idle_over_switched_off"}
     assert figures["importance"] == {"scoring_over_forward_backward"}
-    assert figures["pruning"] == {"B4_S16.drop_over_predicted"}
+    assert figures["pruning"] == {"B4_S16.drop_over_predicted",
+                                  "S64.heads.drop_over_predicted"}
     long = {f for f in figures["generate"] if f.startswith("long_")}
     assert figures["generate"] - long == {"speed_vs_transformers", "kernel_over_torch_products"}
     # the long-context section: exact cache bytes at both contexts, the demotion speed-up
     assert {"long_pruned_cache_error_bytes_at_32", "long_demoted_cache_error_bytes_at_32",
             "long_pruned_cache_error_bytes_at_252", "long_demoted_cache_error_bytes_at_252",
             "long_demoted_speedup_over_predicted"} <= long
+    assert {f"long_{m}_headroom_over_budget_bytes" for m in ("before", "pruned", "demoted")
+            } <= long
     assert figures["quality"] == {"minilm-l6.michel_unnormalised_over_random"}
     assert figures["recovery"] == {"minilm-l6.kept_over_none", "minilm-l6.recover_over_michel",
                                    "minilm-l6.keep_1_max_abs_diff"}
@@ -250,6 +253,46 @@ def test_pruning_records_flops_and_prediction(tiny_run):
     assert sum(r.checks["heads_per_layer_after"]) == 4  # half of 2 layers x 4 heads
 
 
+def test_pruning_by_length_times_both_units_within_the_positions(tiny_run):
+    """The length sweep on the tiny Llama (256 positions: 512 left out): query heads kept
+    by 0.6 and key/value groups by 0.5, each timed and predicted at every length, the
+    predicted drop growing with S as the S^2 attention terms take a larger share."""
+    _, results = tiny_run
+    r = next(r for r in results if r.name == "pruning")
+    table = r.checks["by_length"]
+    assert list(table) == ["16", "64"]
+    heads = r.checks["by_length_heads"]
+    assert sum(heads["heads"]) == 5  # 0.6 of 2 layers x 4 heads
+    assert sum(heads["kv_groups"]) == 4  # 2 of 4 groups of 2 query heads
+    for S, row in table.items():
+        for unit in ("heads", "kv_groups"):
+            predicted = 1 - row[unit]["flops"]["total"] / row["flops_before"]["total"]
+            assert row[unit]["predicted_drop"] == pytest.approx(predicted, rel=1e-12)
+            assert row[unit]["after_ms"] > 0
+            assert r.figures[f"S{S}.{unit}.predicted_drop"].median == pytest.approx(predicted)
+            assert r.figures[f"S{S}.{unit}.drop"].n == 2
+    for unit in ("heads", "kv_groups"):
+        assert 0 < table["16"][unit]["predicted_drop"] < table["64"][unit]["predicted_drop"]
+
+
+def test_serving_headroom_fills_the_budget_and_decodes_within_it(tiny_run):
+    """The tiny Llama's budget is its own cache at 2 rows x (64 + 3 + 1) positions: half
+    its groups removed fit 4 rows, the same groups demoted (2 sinks + 8 slots) fit as
+    many as their bytes allow; each decoded batch holds exactly the predicted cache,
+    within the budget, and one more row would not fit."""
+    _, results = tiny_run
+    gen = next(r for r in results if r.name == "generate")
+    head = gen.checks["long_headroom"]
+    assert (head["before"]["rows"], head["pruned"]["rows"]) == (2, 4)
+    # per row: one full group x 68 positions + one demoted x 10 slots, of 2 x 68
+    assert head["demoted"]["rows"] == (2 * 2 * 68) // (68 + 10) == 3
+    for name, h in head.items():
+        assert h["held"] == h["predicted"] <= h["budget"], name
+        assert h["predicted"] // h["rows"] * (h["rows"] + 1) > h["budget"], name
+        assert gen.figures[f"long_{name}_headroom_tokens_per_s"].median > 0
+        assert gen.figures[f"long_{name}_headroom_over_budget_bytes"].median == 0
+
+
 def test_memory_figures_come_from_a_real_measurement(tiny_run):
     _, results = tiny_run
     r = next(r for r in results if r.name == "hooks")
@@ -358,6 +401,41 @@ def test_flops_of_a_tiny_llama_with_gqa_by_hand():
     assert f["mlp"] == 3 * (2 * 8 * 16) * 4
     assert f["lm_head"] == 2 * 8 * 10 * 4
     assert f["total"] == 1536 + 320 + 3072 + 640
+
+
+@pytest.mark.parametrize("seq", [16, 96])
+def test_flops_equal_torch_flop_counter_on_a_pruned_gqa_llama(seq):
+    """torch.utils.flop_counter over one forward: its matmuls (aten.mm) are the model's
+    projections, MLP and LM head; its SDPA count charges every query-key pair of the
+    S x S square (torch's sdpa_flop_count, here applied to the CPU kernel too), of
+    which a causal model computes S(S+1)/2."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+        B, H, _, D = query_shape  # GQA keys (B, H_kv, T, D): count them per query head
+        return sdpa_flop_count(query_shape, (B, H, key_shape[2], D),
+                               (B, H, value_shape[2], value_shape[3]))
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_hf(dict(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))).eval()
+    model.prune_heads({0: [1], 1: [0, 2]})  # 3 and 2 query heads left, uneven layers
+    B = 2
+    counter = FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa})
+    with torch.no_grad(), counter:
+        model(torch.randint(0, 50, (B, seq)))
+    counted = counter.get_flop_counts()["Global"]
+    ours = count_flops(model, B, seq)
+    assert set(counted) == {aten.mm, aten._scaled_dot_product_flash_attention_for_cpu}
+    assert counted[aten.mm] == ours["projections"] + ours["mlp"] + ours["lm_head"]
+    pairs = seq * (seq + 1) // 2
+    sdpa = counted[aten._scaled_dot_product_flash_attention_for_cpu]
+    assert sdpa * pairs == ours["attention"] * seq * seq
+    assert ours["total"] == counted[aten.mm] + ours["attention"]
 
 
 # ---------------------------------------------------------------------- memory

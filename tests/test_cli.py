@@ -77,6 +77,12 @@ def test_prune_writes_results_report_and_model(pruned_run):
                       for h in range(len(row))} - kept
     assert removal["scorings"] > 1  # iterative: the heads left were scored again
     assert {k for row in removal["scoring"] for k in row if k is not None} != {0}
+    # and at the longer length attention weighs at, capped by the model's 128 positions
+    by_length = lat["by_length"]
+    assert [(x["batch"], x["seq_len"]) for x in by_length] == [(4, 64), (1, 128)]
+    assert (by_length[0]["before"], by_length[0]["after"]) == (lat["before"], lat["after"])
+    assert all(0 < x["predicted_drop"] < 1 and x["after"] > 0 for x in by_length)
+    assert summary["latency_by_length"] == by_length  # the summary printed shows both
 
 
 def test_pruned_model_reloads_with_kept_heads(pruned_run):

@@ -96,3 +96,61 @@ def test_a_bundled_file_that_is_not_the_published_one_is_refused(tmp_path, monke
         headlab.load("gemma3-270m")
     left = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
     assert left == []
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "headlab", *args], capture_output=True,
+                          text=True, timeout=1800)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_gemma3_kv_groups_remove_whole_attention_layers_end_to_end(tmp_path):
+    """On an MQA model a key/value group is a layer's whole attention: removing half of
+    them leaves layers with no heads, which score, repair, measure, save, reload and
+    decode; the HF export is declined in the results (HF has one head count)."""
+    import json
+
+    out = tmp_path / "kv"
+    res = _cli("prune", "--model", "gemma3-270m", "--data", "enwiki", "--unit", "kv-group",
+               "--kv-keep", "0.5", "--max-tokens", "512", "--seq-len", "128", "--recover",
+               "lsq", "--export", "hf", "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr
+    result = json.loads((out / "results.json").read_text())
+    kept = result["kept_heads"]
+    empty = [layer for layer, heads in kept.items() if not heads]
+    assert len(empty) == 9 and all(len(kept[k]) == 4 for k in kept if k not in empty)
+    assert "not exported to HF format" in result["export"]
+    q = result["quality"]
+    assert q["before"] < 60 and q["after"] < q["pruned"]  # perplexity; repair helps
+    model = headlab.load(out / "model")
+    assert model.heads_per_layer.count(0) == 9 and model.kv_heads_per_layer.count(0) == 9
+    prompt = model.tokenizer(_TEXTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        full = model(prompt).logits
+        tokens = model.generate(prompt, max_new_tokens=4)
+    assert torch.isfinite(full).all() and tokens.shape == (1, prompt.shape[1] + 4)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_gemma3_even_head_prune_exports_to_transformers(tmp_path):
+    """Two of four query heads kept in every layer: the export loads in plain
+    transformers and computes the pruned model's logits."""
+    out = tmp_path / "heads"
+    res = _cli("prune", "--model", "gemma3-270m", "--data", "enwiki", "--keep", "0.5",
+               "--per-layer", "--schedule", "one-shot", "--max-tokens", "512", "--seq-len",
+               "128", "--recover", "bias", "--export", "hf", "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr
+    pruned = headlab.load(out / "model")
+    assert pruned.heads_per_layer == [2] * 18
+    hf = AutoModelForCausalLM.from_pretrained(str(out / "model-hf"), dtype=torch.float32)
+    ids, mask = _left_padded(pruned.tokenizer, _TEXTS)
+    valid = mask.bool()
+    with torch.no_grad():
+        expected = hf.eval()(ids, attention_mask=mask).logits
+        got = pruned(ids, mask).logits
+    assert_close(got[valid], expected[valid], **LOGITS)

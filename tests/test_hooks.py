@@ -201,6 +201,34 @@ def test_globs_and_short_names(tiny_gpt2, ids, names, expected):
     assert set(expected) <= set(hook_names(tiny_gpt2))
 
 
+def test_exact_names_resolve_without_walking_the_model(tiny_gpt2, ids, monkeypatch):
+    """Exact names are looked up where they are (the recovery walk asks a few per layer
+    and batch); a name that is not a hook point still gets the walk's error."""
+    names = ["blocks.1.attn.z", "blocks.1.attn.out"]
+    with torch.no_grad(), capture(tiny_gpt2, names) as want:
+        tiny_gpt2(ids)
+
+    def walk(*args, **kwargs):
+        raise AssertionError("walked every module for exact names")
+
+    got = {}
+
+    def keep(t, name):
+        got[name] = t
+
+    with monkeypatch.context() as m:
+        m.setattr(type(tiny_gpt2), "named_modules", walk)
+        with torch.no_grad(), hooks(tiny_gpt2, dict.fromkeys(names, keep)):
+            tiny_gpt2(ids)
+    assert sorted(got) == sorted(names)
+    for name in names:
+        assert_close(got[name], want[name], rtol=0, atol=0)
+    with (pytest.raises(KeyError, match="no hook point matches"),
+          hooks(tiny_gpt2, {"blocks.1.attn": keep})):  # a module, not a hook point
+        pass
+    assert _no_hooks_left(tiny_gpt2)
+
+
 def test_float16_storage(tiny_gpt2, ids):
     with torch.no_grad():
         with capture(tiny_gpt2, ["pattern", "z"]) as f32:

@@ -168,6 +168,25 @@ def test_ridge_solve_equals_numpy_lstsq(ridge):
     assert _relative(ours, expected) < 1e-8
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_normal_equations_equal_numpy_sums(fast):
+    """X^T X (symmetric, taken in column blocks at this width) and X^T Y over uneven
+    batches against float64 numpy: exact to float64 rounding, or within float32's
+    (relative 1e-6) with ``fast``, the rows coming in float32 as a model gives them."""
+    gen = np.random.default_rng(2)
+    x = (gen.normal(size=(900, 300)) + 0.5).astype(np.float32)  # (N, P), a mean as in
+    y = gen.normal(size=(900, 7)).astype(np.float32)  # (N, E)    activations after GELU
+    eq = NormalEquations(300, 7, torch.device("cpu"), fast=fast)
+    for rows in np.array_split(np.arange(900), 4):
+        eq.add(torch.from_numpy(x[rows]), torch.from_numpy(y[rows]))
+    xd, yd = x.astype(np.float64), y.astype(np.float64)
+    assert torch.equal(eq.xtx, eq.xtx.T)
+    tol = 1e-6 if fast else 1e-12
+    assert _relative(eq.xtx.numpy(), xd.T @ xd) < tol
+    assert _relative(eq.xty.numpy(), xd.T @ yd) < tol
+    assert eq.rows == 900
+
+
 def test_rank_deficient_ridge_zero_falls_back_to_least_squares():
     gen = np.random.default_rng(1)
     x = gen.normal(size=(100, 6))
@@ -214,6 +233,49 @@ def test_lsq_fits_equal_numpy_lstsq_on_the_activations_they_saw(family):
         written = down.weight.T if down.bias is None else torch.cat(
             [down.weight.T, down.bias[None]])
         assert _relative(written.detach().double().numpy(), expected) < 1e-5
+
+
+def _ridge_numpy(x: np.ndarray, y: np.ndarray, w0: np.ndarray, ridge: float) -> np.ndarray:
+    """The ridge problem as one stacked float64 least-squares problem:
+    [X; sqrt(lam) I] W ~ [Y; sqrt(lam) W0], lam = ridge * mean(diag(X^T X))."""
+    lam = ridge * np.mean(np.sum(x * x, axis=0))
+    a = np.vstack([x, np.sqrt(lam) * np.eye(x.shape[1])])
+    b = np.vstack([y, np.sqrt(lam) * w0])
+    return np.linalg.lstsq(a, b, rcond=None)[0]
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_lsq_at_the_default_ridge_equals_float64_numpy(family):
+    """The default (ridge) lsq takes each batch's X^T X in float32 (`NormalEquations`):
+    its W_O and down projection stay within 2e-6 (relative; float32 storage alone
+    gives ~1e-7, float32 sums ~4e-7) of float64 numpy's ridge solution on the same
+    activations, X from the repaired pruned model as above."""
+    build, plan = MODELS[family]
+    reference, blocks = build(), _blocks()
+    model = _pruned(reference, plan)
+    originals = copy_model(model)
+    recover(model, reference, blocks, method="lsq")
+    for layer, attn in enumerate(model.attentions):
+        fit = _layer_activations(model, reference, blocks, layer)
+        lin = originals.attentions[layer].o_proj
+        bias = torch.zeros(lin.weight.shape[0]) if lin.bias is None else lin.bias
+        w0 = torch.cat([lin.weight.T, bias[None]]).double().detach().numpy()
+        expected = _ridge_numpy(fit["x"].numpy(), fit["y"].numpy(), w0, DEFAULT_RIDGE)
+        written = torch.cat([attn.o_proj.weight.T, attn.o_proj.bias[None]]).double()
+        assert _relative(written.detach().numpy(), expected) < 2e-6
+
+        path = model.mlp_down.split(".", 1)[1]
+        down = model.blocks[layer].mlp.get_submodule(path)
+        old = originals.blocks[layer].mlp.get_submodule(path)
+        act, w0 = fit["act"], old.weight.T
+        if down.bias is not None:
+            act = torch.cat([act, torch.ones(len(act), 1, dtype=act.dtype)], dim=1)
+            w0 = torch.cat([w0, old.bias[None]])
+        expected = _ridge_numpy(act.numpy(), fit["y_down"].numpy(),
+                                w0.double().detach().numpy(), DEFAULT_RIDGE)
+        written = down.weight.T if down.bias is None else torch.cat(
+            [down.weight.T, down.bias[None]])
+        assert _relative(written.detach().double().numpy(), expected) < 2e-6
 
 
 # ---------------------------------------------------------------------- invariants

@@ -152,6 +152,19 @@ def test_score_only_run_says_what_was_not_measured(tmp_path, full_results):
     assert _embedded(html)["pruned"] is None
 
 
+def test_latency_at_the_longer_length_is_a_summary_row(tmp_path, full_results):
+    """latency_ms.by_length: the first entry is the run's short latency, each further
+    one a row of its own with its batch and the drop its FLOPs predict."""
+    r = json.loads(json.dumps(full_results))
+    r["latency_ms"]["by_length"] = [
+        {"before": 40.1, "after": 31.2, "batch": 16, "seq_len": 128, "predicted_drop": 0.1},
+        {"before": 900.0, "after": 600.0, "batch": 1, "seq_len": 2048,
+         "predicted_drop": 0.35}]
+    html = _build(r, tmp_path / "r.html").read_text("utf-8")
+    assert "latency at 2,048 tokens" in html and "the FLOPs predict 35% less" in html
+    assert "latency at 128 tokens" not in html
+
+
 def test_minimal_results_render(tmp_path):
     r = {"model": "m", "method": "ablation", "heads_total": 4,
          "importance": [[0.1, None], [math.nan, 0.4]]}

@@ -10,7 +10,7 @@ from _report_fixture import make_results, score_only
 
 from headlab.errors import UserError
 from headlab.report import render
-from headlab.results import SCHEMA_VERSION, RunResult
+from headlab.results import SCHEMA_VERSION, LengthLatency, RunResult
 from headlab.schedule import CurvePoint
 
 
@@ -41,6 +41,7 @@ def test_a_results_json_without_a_version_reads_back_key_for_key(kind):
     # what schema 2 added, absent from the old file: no recovery ran
     assert written.pop("recovery") is None
     assert written.pop("kv_cache") is None  # no kv-group or demotion run
+    assert written["latency_ms"].pop("by_length") == []  # one length timed then
     assert written["quality"].pop("pruned") is None
     assert written["quality"].pop("loss_pruned") is None
     # what the calibration / evaluation protocol added (headlab.data.protocol)
@@ -55,8 +56,13 @@ def test_a_results_json_without_a_version_reads_back_key_for_key(kind):
 def test_a_run_result_round_trips_through_json():
     r = RunResult.from_json(_with_losses(make_results(layers=2, heads=3, seq=6)))
     r.schema_version = SCHEMA_VERSION
+    r.latency_ms.by_length = [LengthLatency(40.1, 31.2, batch=16, seq_len=128,
+                                            predicted_drop=0.2),
+                              LengthLatency(90.5, 60.0, batch=1, seq_len=2048,
+                                            predicted_drop=0.35)]
     again = RunResult.from_json(json.loads(json.dumps(r.to_json())))
     assert again == r
+    assert isinstance(again.latency_ms.by_length[1], LengthLatency)
     assert isinstance(again.curve[0], CurvePoint) and again.kept_heads == r.kept_heads
     assert all(isinstance(k, int) for k in again.kept_heads)
 

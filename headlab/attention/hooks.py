@@ -59,6 +59,10 @@ def _resolve(model: nn.Module, names: str | Iterable[str], layers=None) -> dict[
     hook of that name (``"pattern"`` == ``"blocks.*.attn.pattern"``)."""
     patterns = [names] if isinstance(names, str) else list(names)
     patterns = [p if "." in p or "*" in p else f"*.{p}" for p in patterns]
+    if layers is None and not any(c in p for p in patterns for c in "*?["):
+        exact = _exact(model, patterns)  # no walk over every module: the recovery walk
+        if exact is not None:  # asks for a few names of one layer per batch
+            return exact
     points = {n: m for n, m in model.named_modules() if isinstance(m, HookPoint)}
     chosen = {n: m for n, m in points.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
     if layers is not None:
@@ -74,6 +78,20 @@ def _resolve(model: nn.Module, names: str | Iterable[str], layers=None) -> dict[
             f"no hook point matches {patterns}; examples of names: {list(points)[:9]}"
         )
     return chosen
+
+
+def _exact(model: nn.Module, names: list[str]) -> dict[str, HookPoint] | None:
+    """The hook points at these exact names, or None if one is not a hook point."""
+    found = {}
+    for name in names:
+        try:
+            point = model.get_submodule(name)
+        except AttributeError:
+            return None
+        if not isinstance(point, HookPoint):
+            return None
+        found[name] = point
+    return found
 
 
 def layer_of(name: str) -> int | None:

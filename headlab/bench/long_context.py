@@ -7,9 +7,12 @@ same groups demoted to a sink + window cache. At each context: batch-1 greedy de
 tokens/s (steps interleaved across the three, `headlab.evaluate.cache.decode_step_times`),
 cache bytes held against the prediction from the kept groups, cache memory allocated;
 at the longest context, the share of a decoding step spent in attention proper and the
-speed-up demotion should give by it; held-out perplexity of one long block; and
-needle-in-a-haystack accuracy (`headlab.evaluate.needle`, its filler the held-out text) on a grid
-of lengths, by default past the demoted heads' sinks + window.
+speed-up demotion should give by it; serving headroom: the most rows each model's
+cache fits in the budget the unpruned model's takes at ``headroom_rows`` rows
+(`headlab.evaluate.cache.max_batch`), checked by decoding that batch, and its tokens/s;
+held-out perplexity of one long block; and needle-in-a-haystack accuracy
+(`headlab.evaluate.needle`, its filler the held-out text) on a grid of lengths, by
+default past the demoted heads' sinks + window.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class LongContextSizes:
     needle_lengths: tuple[int, ...] = (1024, 2048)
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     needle_trials: int = 2
+    headroom_context: int = 2048  # capped by the model's positions
+    headroom_rows: int = 2  # the budget: the unpruned model's cache at this many rows
 
 
 def _tokens(model, n: int, seed: int) -> tuple[torch.Tensor, str]:
@@ -168,6 +173,7 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
                    what=f"decoding speed-up after demoting {1 - sizes.kv_keep:g} of the "
                         f"groups at {longest} tokens / the speed-up the attention share "
                         f"({share:.2f}) predicts ({predicted:.2f}x)")
+    _headroom(res, models, sizes)
     ppl = {name: _perplexity(m, heldout) for name, m in models.items()}
     res.checks["long_perplexity"] = ppl
     _lost_ratio(res, "long_quality", removed=ppl["pruned"] - ppl["before"],
@@ -175,6 +181,41 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
                 what=f"held-out perplexity lost at {quality_len} tokens: demoting the "
                      "groups / removing them")
     _needle_half(res, models, held, sizes, source)
+
+
+def _headroom(res: BenchResult, models: dict[str, Any], sizes: LongContextSizes) -> None:
+    """Serving headroom: the budget is the unpruned model's cache at ``headroom_rows``
+    rows holding a ``headroom_context``-token prompt and the decoded steps; each model
+    decodes the most rows its cache fits in it (`max_batch`), and the cache it then
+    holds is checked against the budget."""
+    from headlab.evaluate.cache import decode_step_times, max_batch
+
+    steps = sizes.steps
+    context = min(sizes.headroom_context, models["before"].max_positions - steps - 1)
+    length = context + steps + 1  # positions held after the last step
+    budget = sizes.headroom_rows * models["before"].kv_cache_bytes(length)
+    rows = {name: max_batch(m, length=length, budget_bytes=budget)
+            for name, m in models.items()}
+    caches: dict[str, Any] = {}
+    times = decode_step_times(models, context=context, steps=steps, caches=caches,
+                              batch=rows)
+    res.method["long_context_headroom"] = (
+        f"budget = the unpruned model's key/value cache at {sizes.headroom_rows} rows x "
+        f"{length} positions ({budget} bytes); each model's batch = the most rows whose "
+        f"cache fits (HeadModel.kv_cache_bytes), a {context}-token prompt then {steps} "
+        "greedy steps interleaved; tokens/s = rows / step time")
+    checks = {}
+    for name, t in times.items():
+        held, _ = _cache_bytes(caches[name])
+        checks[name] = {"rows": rows[name], "held": held, "budget": budget,
+                        "predicted": rows[name] * models[name].kv_cache_bytes(length)}
+        res.add(f"long_{name}_headroom_rows", [rows[name]], "rows")
+        res.add(f"long_{name}_headroom_tokens_per_s", [rows[name] / s for s in t], "tokens/s")
+        res.add(f"long_{name}_headroom_over_budget_bytes", [max(0, held - budget)], "bytes")
+        res.add_target(f"long_{name}_headroom_over_budget_bytes", target=0, op="<=",
+                       what=f"cache held by {name} at its headroom batch ({rows[name]} rows, "
+                            f"{length} positions) beyond the budget")
+    res.checks["long_headroom"] = checks
 
 
 def _needle_half(res: BenchResult, models: dict[str, Any], held: torch.Tensor,

@@ -1,18 +1,31 @@
 """``headlab bench pruning``: the latency drop of a model physically pruned to keep half
-of its heads, against the drop its FLOPs predict (`count_flops`)."""
+of its heads, against the drop its FLOPs predict (`headlab.models.flops.count_flops`);
+and across prompt lengths, batch 1, where attention's S^2 terms grow to dominate: a GQA
+model with ``length_keep`` of its query heads kept, and with ``kv_keep`` of its key/value
+groups kept (the prune command's ``--unit kv-group --kv-keep``), each against its FLOPs.
+Decoding speed at long contexts after kv-group pruning and demotion is measured by
+``headlab bench generate`` (`headlab.bench.long_context`)."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from headlab._util.timing import ms, time_interleaved
 from headlab.bench._common import BenchResult, Timing
-from headlab.bench._models import GPT2_SMALL, ModelCache, ModelSpec, model_cache, random_ids
+from headlab.bench._models import (
+    GPT2_SMALL,
+    SMOLLM2,
+    ModelCache,
+    ModelSpec,
+    model_cache,
+    random_ids,
+)
+from headlab.models.flops import count_flops
 
 __all__ = ["PruningSizes", "bench_pruning", "count_flops"]
 
@@ -25,41 +38,13 @@ class PruningSizes(Timing):
     shapes: tuple[tuple[int, int], ...] = ((16, 128), (1, 128))  # (B, S); the first is judged
     keep: float = 0.5
     repeats: int = 15  # a ~12% effect under run-to-run noise of about as much
-
-
-def count_flops(model, batch: int, seq: int) -> dict[str, int]:
-    """FLOPs (2 per multiply-add) of one forward of ``batch`` x ``seq`` tokens, no cache.
-
-    Counted analytically from the model's current (possibly pruned) shapes:
-    ``projections`` (W_Q, W_K, W_V, W_O), ``attention`` (Q K^T and weights @ V, over
-    S(S+1)/2 query-key pairs per head when causal, S^2 otherwise), ``mlp``, ``lm_head``
-    and ``other`` linear layers (a pooler or classifier runs on one token per row).
-    Norms, softmax, activations and embeddings lookups are left out: they are O(E) per
-    token against the O(E^2) matmuls.
-    """
-    tokens = batch * seq
-    pairs = seq * (seq + 1) // 2 if model.causal else seq * seq
-    out = {"projections": 0, "attention": 0, "mlp": 0, "lm_head": 0, "other": 0}
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear):
-            continue
-        rows = batch if name.split(".")[0] in ("pooler", "classifier") else tokens
-        flops = 2 * mod.in_features * mod.out_features * rows
-        if ".attn." in name:
-            out["projections"] += flops
-        elif ".mlp." in name:
-            out["mlp"] += flops
-        elif name == "lm_head":
-            out["lm_head"] += flops
-        else:
-            out["other"] += flops
-    if getattr(model, "head", None) == "mlm":  # BERT's decoder is the embedding matrix
-        vocab, width = model.wte.weight.shape
-        out["lm_head"] += 2 * width * vocab * tokens
-    for attn in model.attentions:
-        out["attention"] += 2 * 2 * batch * attn.n_heads * attn.head_dim * pairs
-    out["total"] = sum(out.values())
-    return out
+    # the sweep over prompt lengths (batch 1; lengths past the model's positions left out)
+    length_model: ModelSpec = SMOLLM2
+    lengths: tuple[int, ...] = (128, 512, 2048, 8192)
+    length_keep: float = 0.6
+    kv_keep: float = 0.5
+    length_repeats: int = 5
+    judged_length: int = 2048  # the query-head pruning's drop / predicted drop is judged here
 
 
 def bench_pruning(sizes: PruningSizes, *, device: str = "cpu",
@@ -118,4 +103,66 @@ def bench_pruning(sizes: PruningSizes, *, device: str = "cpu",
             else:
                 res.info.append((f"{key}.drop_over_predicted", what))
         res.checks["flops"] = flops
+        _by_length(res, cache.headlab(sizes.length_model), sizes, device)
     return res
+
+
+def _random_plans(model, sizes: PruningSizes):
+    """The two prunings the length sweep times, from seeded random scores: query heads
+    kept by ``length_keep`` over all heads, and whole GQA groups by ``kv_keep``."""
+    from headlab.importance import HeadScores
+    from headlab.selection import heads_to_keep, kv_groups, select, select_groups
+
+    gen = torch.Generator().manual_seed(0)
+    scores = HeadScores(torch.rand(model.n_layers, model.n_original_heads,
+                                   generator=gen).tolist(), "random")
+    heads = heads_to_keep(model.n_layers * model.n_original_heads, keep=sizes.length_keep)
+    groups = kv_groups(model)
+    n_groups = sum(len(g) for g in groups)
+    return {"heads": select(scores, heads),
+            "kv_groups": select_groups(scores, groups,
+                                       heads_to_keep(n_groups, keep=sizes.kv_keep))}
+
+
+def _by_length(res: BenchResult, model, sizes: PruningSizes, device: str) -> None:
+    """Prefill latency at each of ``sizes.lengths`` (batch 1) of ``model`` as it came and
+    pruned both ways, beside the drop the FLOPs predict; rows ``S{n}.{unit}.*``, the
+    table in ``checks["by_length"]``."""
+    from headlab.pruning import prune
+
+    pruned = {unit: prune(model, plan, inplace=False)
+              for unit, plan in _random_plans(model, sizes).items()}
+    table: dict[str, Any] = {}
+    for S in [n for n in sizes.lengths if n <= model.max_positions]:
+        ids = random_ids(model.config.vocab_size, 1, S, device)
+        flops = count_flops(model, 1, S)
+        with torch.inference_mode():
+            t = time_interleaved({"before": lambda i=ids: model(i),
+                                  **{u: (lambda i=ids, m=m: m(i)) for u, m in pruned.items()}},
+                                 repeats=sizes.length_repeats, warmup=sizes.warmup,
+                                 device=device)
+        row: dict[str, Any] = {"flops_before": flops,
+                               "before_ms": 1000 * statistics.median(t["before"])}
+        res.add(f"S{S}.before_ms", ms(t["before"]), "ms")
+        for unit, m in pruned.items():
+            after = count_flops(m, 1, S)
+            predicted = 1 - after["total"] / flops["total"]
+            drops = [1 - a / b for a, b in zip(t[unit], t["before"], strict=True)]
+            res.add(f"S{S}.{unit}.after_ms", ms(t[unit]), "ms")
+            res.add(f"S{S}.{unit}.drop", drops, "fraction")
+            res.add(f"S{S}.{unit}.predicted_drop", [predicted], "fraction")
+            res.add(f"S{S}.{unit}.drop_over_predicted",
+                    [d / predicted if predicted else math.nan for d in drops], "x")
+            row[unit] = {"flops": after, "after_ms": 1000 * statistics.median(t[unit]),
+                         "predicted_drop": predicted}
+            what = (f"{sizes.length_model} prefill latency drop / FLOP-predicted drop "
+                    f"({predicted:.1%}), {unit} pruned, B=1, S={S}")
+            if unit == "heads" and sizes.judged_length == S:
+                res.add_target(f"S{S}.{unit}.drop_over_predicted", target=0.8, op=">=",
+                               what=what)
+            else:
+                res.info.append((f"S{S}.{unit}.drop_over_predicted", what))
+        table[str(S)] = row
+    res.checks["by_length"] = table
+    res.checks["by_length_heads"] = {u: m.heads_per_layer for u, m in pruned.items()}
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +128,7 @@ def summary(result: RunResult, out: Path) -> dict:
         "params_before": result.params.before, "params_after": result.params.after,
         "latency_ms_before": lat.before if lat else None,
         "latency_ms_after": lat.after if lat else None,
+        "latency_by_length": [] if lat is None else [asdict(x) for x in lat.by_length],
         "report": str(out / "report.html"), "results": str(out / "results.json"),
         "model_dir": str(out / "model") if (out / "model").exists() else None,
         "scores": str(out / "importance.csv") if (out / "importance.csv").exists() else None,
@@ -229,6 +231,9 @@ def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
     rows += [("parameters", fmt(summary["params_before"]), fmt(summary["params_after"])),
              ("latency", human_ms(summary["latency_ms_before"]),
               human_ms(summary["latency_ms_after"]))]
+    # and where attention's S^2 terms weigh: batch 1 at a longer length
+    rows += [(f"  at {x['seq_len']} tokens, batch {x['batch']}", human_ms(x["before"]),
+              human_ms(x["after"])) for x in summary.get("latency_by_length", [])[1:]]
     for label, before, after in rows:
         if pruned:
             t.add_row(label, before, after)

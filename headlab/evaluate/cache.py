@@ -91,19 +91,22 @@ def _num(x: Any) -> float | None:
 
 @torch.inference_mode()
 def decode_step_times(models: Mapping[str, HeadModel], *, context: int, steps: int,
-                      seed: int = 0, caches: dict | None = None) -> dict[str, list[float]]:
+                      seed: int = 0, caches: dict | None = None,
+                      batch: int | Mapping[str, int] = 1) -> dict[str, list[float]]:
     """Seconds per greedy decoding step of each model after a ``context``-token prompt
-    (random tokens, batch 1), the models' steps interleaved; one untimed warm-up step.
-    ``caches``, when given, receives each model's cache at the end."""
+    (random tokens; ``batch`` rows, or rows per model), the models' steps interleaved;
+    one untimed warm-up step. ``caches``, when given, receives each model's cache at
+    the end."""
     first = next(iter(models.values()))
     vocab = first.config.vocab_size
     device = first.device
-    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(
-        seed)).to(device)
+    rows = {name: batch if isinstance(batch, int) else batch[name] for name in models}
+    prompt = torch.randint(0, vocab, (max(rows.values()), context),
+                           generator=torch.Generator().manual_seed(seed)).to(device)
     state = {}
     for name, model in models.items():
         cache = model.new_cache()
-        logits = model(prompt, cache=cache).logits
+        logits = model(prompt[:rows[name]], cache=cache).logits
         state[name] = (cache, logits[:, -1:].argmax(-1))
     names = list(models)
     out: dict[str, list[float]] = {n: [] for n in names}
@@ -162,6 +165,16 @@ def predicted_speedup(share: float, *, kv_full: int, kv_demoted: int, slots: int
     kv = kv_full + kv_demoted
     after = (kv_full + kv_demoted * min(1.0, slots / context)) / kv
     return 1.0 / ((1 - share) + share * after)
+
+
+def max_batch(model: HeadModel, *, length: int, budget_bytes: int) -> int:
+    """The most rows whose key/value cache holding ``length`` positions fits in
+    ``budget_bytes``: each row holds `HeadModel.kv_cache_bytes` (the kept key/value
+    heads every position, demoted ones at most sinks + window)."""
+    per_row = model.kv_cache_bytes(length)
+    if per_row <= 0:
+        raise ValueError(f"{model.family} holds no key/value cache: every batch fits")
+    return budget_bytes // per_row
 
 
 def measure_decode(before: HeadModel, after: HeadModel, *, contexts: list[int],

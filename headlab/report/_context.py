@@ -116,6 +116,10 @@ def summary_rows(result: RunResult) -> list[dict]:
              higher_is_better=False),
         _row("latency", lat.before if lat else None, lat.after if lat else None, _ms,
              higher_is_better=False, note=lat_note),
+        *[_row(f"latency at {x.seq_len:,} tokens", x.before, x.after, _ms,
+               higher_is_better=False, note=f"batch {x.batch}; the FLOPs predict "
+               f"{x.predicted_drop:.0%} less" if x.predicted_drop is not None else "")
+          for x in (lat.by_length[1:] if lat else [])],
     ]
     if objective is None or objective.generates:
         rows += [_row("key/value cache per token", result.kv_cache_bytes_per_token.before,

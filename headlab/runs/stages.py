@@ -28,11 +28,19 @@ from headlab.evaluate.quality import evaluate
 from headlab.importance import PER_TOKEN_METHODS, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
+from headlab.models.flops import count_flops
 from headlab.objectives import objective_for
 from headlab.parallel.sharding import load_sharded, save_sharded
 from headlab.pruning import copy_model, demote, demoted_heads, prune, trial
 from headlab.recovery import recover
-from headlab.results import BeforeAfter, DataSummary, Latency, QualityFigures, RunResult
+from headlab.results import (
+    BeforeAfter,
+    DataSummary,
+    Latency,
+    LengthLatency,
+    QualityFigures,
+    RunResult,
+)
 from headlab.runs.config import RunConfig
 from headlab.runs.inputs import data_separation
 from headlab.runs.placement import Placement
@@ -45,9 +53,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("headlab")
 
 
-
 def now() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+LONG_LATENCY = 2048  # tokens: the run's second latency length, capped by the positions
 
 
 @torch.inference_mode()
@@ -240,12 +250,25 @@ class Stage:
                             device=str(self.model.device), dtype=self.model.dtype)[0]
 
     def _latency(self, pruned: HeadModel) -> Latency:
+        """Forward times before and after at the run's short length (``latency_batch``
+        rows) and, batch 1, at ``LONG_LATENCY`` tokens (within the model's positions),
+        where the S^2 attention terms that head pruning removes weigh; each beside the
+        drop the FLOPs predict."""
         cfg = self.cfg
         log.info("timing the pruned model against the unpruned one")
-        lat_s = min(cfg.latency_seq_len, self.seq_len)
+        short = min(cfg.latency_seq_len, self.seq_len, self.model.max_positions)
+        long = min(LONG_LATENCY, self.model.max_positions)
+        shapes = [(cfg.latency_batch, short)] + ([(1, long)] if long > short else [])
+        rows = []
         with spinner("timing the pruned model against the unpruned one"):
-            t_before, t_after = compare_latency(self.model, pruned, cfg.latency_batch, lat_s)
-        return Latency(t_before, t_after, batch=cfg.latency_batch, seq_len=lat_s)
+            for batch, seq_len in shapes:
+                t_before, t_after = compare_latency(self.model, pruned, batch, seq_len)
+                flops = count_flops(self.model, batch, seq_len)["total"]
+                drop = 1 - count_flops(pruned, batch, seq_len)["total"] / flops
+                rows.append(LengthLatency(t_before, t_after, batch=batch, seq_len=seq_len,
+                                          predicted_drop=drop))
+        return Latency(rows[0].before, rows[0].after, batch=cfg.latency_batch,
+                       seq_len=short, by_length=rows)
 
     def _save(self, pruned: HeadModel, *, repaired: bool) -> None:
         """model/: whole on rank 0, or block by block by every shard once repaired (an
