@@ -59,9 +59,10 @@ def _llama(seed: int = 0, **kw) -> llama.Llama:
     return llama.from_hf(cfg.to_dict(), hf.state_dict()).eval()
 
 
-def _gpt2(seed: int = 0) -> gpt2.GPT2:
+def _gpt2(seed: int = 0, **kw) -> gpt2.GPT2:
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, vocab_size=V)
+    cfg = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, vocab_size=V,
+                                  **kw)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     return gpt2.from_hf(cfg.to_dict(), hf.state_dict()).eval()
 
@@ -214,6 +215,96 @@ def test_lsq_fits_equal_numpy_lstsq_on_the_activations_they_saw(family):
         written = down.weight.T if down.bias is None else torch.cat(
             [down.weight.T, down.bias[None]])
         assert _relative(written.detach().double().numpy(), expected) < 1e-5
+
+
+def _kwon_scales(a: np.ndarray, b: np.ndarray, constant: bool) -> np.ndarray:
+    """Kwon et al.'s scales from their design matrix A (N*E, K) and target vec B (N*E,),
+    float64: a constant column appended (attention), the normal equations G = A^T A,
+    r = A^T B, then their lsmr_cupy_solver's problem, the deviation from 1 with damping
+    1, as one stacked least-squares problem: [G; I] u ~ [r - G 1; 0]; scales 1 + u,
+    the constant's dropped."""
+    if constant:
+        a = np.concatenate([a, np.ones((len(a), 1))], axis=1)
+    g, r = a.T @ a, a.T @ b
+    k = g.shape[0]
+    u = np.linalg.lstsq(np.concatenate([g, np.eye(k)]),
+                        np.concatenate([r - g.sum(1), np.zeros(k)]), rcond=None)[0]
+    return (1 + u)[:k - 1] if constant else 1 + u
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_rescale_equals_kwons_equations_in_numpy(family):
+    """rescale's head scales (layers after 0) and neuron scales (every layer) are Kwon
+    et al.'s: the residual target Y - b, one constant column for attention, fitted on
+    the pruned stream its earlier layers (and, for the MLP, this layer's attention)
+    already rescaled, from the activations captured again (`_layer_activations`)."""
+    build, plan = MODELS[family]
+    # weights large enough that the normal equations outweigh LSMR's damping 1 (at the
+    # default init the scales stay within 1e-5 of 1)
+    reference, blocks = build(initializer_range=0.1), _blocks(48)
+    model, original = _pruned(reference, plan), _pruned(reference, plan)
+    recover(model, reference, blocks, method="rescale")
+    D = model.head_dim
+    for layer, attn in enumerate(model.attentions):
+        fit = _layer_activations(model, reference, blocks, layer)
+        old = original.attentions[layer].o_proj
+        w = old.weight.detach().double()  # (E, H*D)
+        E, H = w.shape[0], attn.n_heads
+        new = attn.o_proj.weight.detach().double().view(E, H, D)
+        b = (torch.zeros(E, dtype=torch.float64) if old.bias is None
+             else old.bias.detach().double())
+        if layer == 0:  # Kwon et al.: layer_idx != 0
+            assert torch.equal(new, w.view(E, H, D))
+        else:
+            z = fit["x"][:, :-1].view(-1, H, D)  # (N, H, D)
+            p = torch.einsum("nhd,ehd->hne", z, w.view(E, H, D)).reshape(H, -1)
+            target = (fit["y"] - b).reshape(-1).numpy()  # (N*E,)
+            expected = _kwon_scales(p.T.numpy(), target, constant=True)  # (H,)
+            assert np.abs(expected - 1).max() > 1e-3  # the fit moved them
+            ours = (new / w.view(E, H, D)).mean((0, 2)).numpy()
+            assert_close(new, w.view(E, H, D) * torch.from_numpy(ours)[None, :, None],
+                         rtol=1e-6, atol=0)  # one scale per head
+            assert np.abs(ours - expected).max() < 1e-5
+            # the bias stays
+            assert (attn.o_proj.bias is None) == (old.bias is None)
+
+        down = model.blocks[layer].mlp.get_submodule(model.mlp_down.split(".", 1)[1])
+        old_down = original.blocks[layer].mlp.get_submodule(model.mlp_down.split(".", 1)[1])
+        wd = old_down.weight.detach().double()  # (E, F)
+        bd = (torch.zeros(E, dtype=torch.float64) if old_down.bias is None
+              else old_down.bias.detach().double())
+        act = fit["act"]  # (N, F)
+        p = (act[:, :, None] * wd.T[None]).permute(1, 0, 2).reshape(act.shape[1], -1)
+        expected = _kwon_scales(p.T.numpy(), (fit["y_down"] - bd).reshape(-1).numpy(),
+                                constant=False)  # (F,)
+        assert np.abs(expected - 1).max() > 1e-3
+        ours = (down.weight.detach().double() / wd).mean(0).numpy()
+        assert np.abs(ours - expected).max() < 1e-5
+
+
+def test_rescale_stops_at_the_first_scale_out_of_bounds(monkeypatch):
+    """As Kwon et al.'s loop breaks: once a solve gives a scale outside [-10, 10] (here
+    layer 0's MLP, the first fit), no later sublayer is rescaled."""
+    from headlab.recovery import rescale
+
+    reference, blocks = _gpt2(initializer_range=0.1), _blocks(48)
+    solve, calls = rescale.damped_scales, []
+
+    def first_out_of_bounds(gram, rhs):
+        calls.append(len(rhs))
+        scales = solve(gram, rhs)
+        return scales * 11 if len(calls) == 1 else scales
+
+    monkeypatch.setattr(rescale, "damped_scales", first_out_of_bounds)
+    model = _pruned(reference, GPT2_PLAN)
+    recover(model, reference, blocks, method="rescale")
+    assert calls == [model.blocks[0].mlp.proj.weight.shape[1]]  # then no more solves
+    assert_close(_logits(model, blocks), _logits(_pruned(reference, GPT2_PLAN), blocks),
+                 rtol=0, atol=0)
+    monkeypatch.setattr(rescale, "damped_scales", solve)
+    recover(model, reference, blocks, method="rescale")  # without: later layers move
+    assert not torch.equal(_logits(model, blocks),
+                           _logits(_pruned(reference, GPT2_PLAN), blocks))
 
 
 # ---------------------------------------------------------------------- invariants
