@@ -144,7 +144,9 @@ def detect(
 def validate(
     model: opt.ModelOpt,
     methods: Annotated[list[opt.Method] | None, typer.Option(
-        "--methods", help="Importance methods to check (repeat); default: all.")] = None,
+        "--methods", metavar="METHOD",
+        help="Importance methods to check, --method's choices (repeat); default: all.")]
+    = None,
     kinds: Annotated[list[str] | None, typer.Option(
         "--kinds", help="Detectors to check (repeat); default: all that apply.")] = None,
     data: opt.DataOpt = None,

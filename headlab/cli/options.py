@@ -234,7 +234,9 @@ EXPORT = (
     Opt("export", Annotated[str | None, typer.Option(
         help="'hf': also write a directory plain transformers loads, where expressible.")]),
     Opt("compare", Annotated[list[Method] | None, typer.Option(
-        help="More methods to draw a curve for (repeat the option).")]))
+        metavar="METHOD",
+        help="More methods to draw a curve for, each one of --method's choices "
+             "(repeat the option).")]))
 SCORING = (Opt("normalize", NormalizeOpt), Opt("global_minmax", MinmaxOpt, False),
            Opt("per_token", PerTokenOpt, False), Opt("probes", ProbesOpt, D["probes"]),
            Opt("gate_steps", GateStepsOpt, D["gate_steps"]),
