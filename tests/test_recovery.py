@@ -431,6 +431,21 @@ def test_bad_arguments_are_user_errors():
         recover(model, model, blocks, method="lsq")
 
 
+def test_a_ridge_for_a_method_without_one_is_refused_before_the_run():
+    from headlab.runs.config import RunConfig
+
+    for method in ("lsq", "distill"):
+        assert RunConfig(model="m", keep=0.5, recover=method, recover_ridge=0.1).validated()
+    for method in ("rescale", "bias", "none"):
+        with pytest.raises(UserError, match=rf"^--recover-ridge applies to lsq .*--recover "
+                                            rf"{method}: drop it$"):
+            RunConfig(model="m", keep=0.5, recover=method, recover_ridge=0.1).validated()
+    with pytest.raises(UserError, match="ridge applies to lsq, not 'rescale'"):
+        reference = _gpt2()
+        recover(_pruned(reference, GPT2_PLAN), reference, _blocks(), method="rescale",
+                ridge=0.1)
+
+
 @pytest.mark.parametrize("method", ["bias", "lsq", "rescale"])
 def test_nan_activations_name_the_layer_and_leave_the_model_unchanged(method):
     """A NaN in the reference's second input norm reaches layer 1's activations: the
