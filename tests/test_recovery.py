@@ -59,9 +59,10 @@ def _llama(seed: int = 0, **kw) -> llama.Llama:
     return llama.from_hf(cfg.to_dict(), hf.state_dict()).eval()
 
 
-def _gpt2(seed: int = 0) -> gpt2.GPT2:
+def _gpt2(seed: int = 0, **kw) -> gpt2.GPT2:
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, vocab_size=V)
+    cfg = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, vocab_size=V,
+                                  **kw)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     return gpt2.from_hf(cfg.to_dict(), hf.state_dict()).eval()
 
@@ -278,6 +279,96 @@ def test_lsq_at_the_default_ridge_equals_float64_numpy(family):
         assert _relative(written.detach().double().numpy(), expected) < 2e-6
 
 
+def _kwon_scales(a: np.ndarray, b: np.ndarray, constant: bool) -> np.ndarray:
+    """Kwon et al.'s scales from their design matrix A (N*E, K) and target vec B (N*E,),
+    float64: a constant column appended (attention), the normal equations G = A^T A,
+    r = A^T B, then their lsmr_cupy_solver's problem, the deviation from 1 with damping
+    1, as one stacked least-squares problem: [G; I] u ~ [r - G 1; 0]; scales 1 + u,
+    the constant's dropped."""
+    if constant:
+        a = np.concatenate([a, np.ones((len(a), 1))], axis=1)
+    g, r = a.T @ a, a.T @ b
+    k = g.shape[0]
+    u = np.linalg.lstsq(np.concatenate([g, np.eye(k)]),
+                        np.concatenate([r - g.sum(1), np.zeros(k)]), rcond=None)[0]
+    return (1 + u)[:k - 1] if constant else 1 + u
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_rescale_equals_kwons_equations_in_numpy(family):
+    """rescale's head scales (layers after 0) and neuron scales (every layer) are Kwon
+    et al.'s: the residual target Y - b, one constant column for attention, fitted on
+    the pruned stream its earlier layers (and, for the MLP, this layer's attention)
+    already rescaled, from the activations captured again (`_layer_activations`)."""
+    build, plan = MODELS[family]
+    # weights large enough that the normal equations outweigh LSMR's damping 1 (at the
+    # default init the scales stay within 1e-5 of 1)
+    reference, blocks = build(initializer_range=0.1), _blocks(48)
+    model, original = _pruned(reference, plan), _pruned(reference, plan)
+    recover(model, reference, blocks, method="rescale")
+    D = model.head_dim
+    for layer, attn in enumerate(model.attentions):
+        fit = _layer_activations(model, reference, blocks, layer)
+        old = original.attentions[layer].o_proj
+        w = old.weight.detach().double()  # (E, H*D)
+        E, H = w.shape[0], attn.n_heads
+        new = attn.o_proj.weight.detach().double().view(E, H, D)
+        b = (torch.zeros(E, dtype=torch.float64) if old.bias is None
+             else old.bias.detach().double())
+        if layer == 0:  # Kwon et al.: layer_idx != 0
+            assert torch.equal(new, w.view(E, H, D))
+        else:
+            z = fit["x"][:, :-1].view(-1, H, D)  # (N, H, D)
+            p = torch.einsum("nhd,ehd->hne", z, w.view(E, H, D)).reshape(H, -1)
+            target = (fit["y"] - b).reshape(-1).numpy()  # (N*E,)
+            expected = _kwon_scales(p.T.numpy(), target, constant=True)  # (H,)
+            assert np.abs(expected - 1).max() > 1e-3  # the fit moved them
+            ours = (new / w.view(E, H, D)).mean((0, 2)).numpy()
+            assert_close(new, w.view(E, H, D) * torch.from_numpy(ours)[None, :, None],
+                         rtol=1e-6, atol=0)  # one scale per head
+            assert np.abs(ours - expected).max() < 1e-5
+            # the bias stays
+            assert (attn.o_proj.bias is None) == (old.bias is None)
+
+        down = model.blocks[layer].mlp.get_submodule(model.mlp_down.split(".", 1)[1])
+        old_down = original.blocks[layer].mlp.get_submodule(model.mlp_down.split(".", 1)[1])
+        wd = old_down.weight.detach().double()  # (E, F)
+        bd = (torch.zeros(E, dtype=torch.float64) if old_down.bias is None
+              else old_down.bias.detach().double())
+        act = fit["act"]  # (N, F)
+        p = (act[:, :, None] * wd.T[None]).permute(1, 0, 2).reshape(act.shape[1], -1)
+        expected = _kwon_scales(p.T.numpy(), (fit["y_down"] - bd).reshape(-1).numpy(),
+                                constant=False)  # (F,)
+        assert np.abs(expected - 1).max() > 1e-3
+        ours = (down.weight.detach().double() / wd).mean(0).numpy()
+        assert np.abs(ours - expected).max() < 1e-5
+
+
+def test_rescale_stops_at_the_first_scale_out_of_bounds(monkeypatch):
+    """As Kwon et al.'s loop breaks: once a solve gives a scale outside [-10, 10] (here
+    layer 0's MLP, the first fit), no later sublayer is rescaled."""
+    from headlab.recovery import rescale
+
+    reference, blocks = _gpt2(initializer_range=0.1), _blocks(48)
+    solve, calls = rescale.damped_scales, []
+
+    def first_out_of_bounds(gram, rhs):
+        calls.append(len(rhs))
+        scales = solve(gram, rhs)
+        return scales * 11 if len(calls) == 1 else scales
+
+    monkeypatch.setattr(rescale, "damped_scales", first_out_of_bounds)
+    model = _pruned(reference, GPT2_PLAN)
+    recover(model, reference, blocks, method="rescale")
+    assert calls == [model.blocks[0].mlp.proj.weight.shape[1]]  # then no more solves
+    assert_close(_logits(model, blocks), _logits(_pruned(reference, GPT2_PLAN), blocks),
+                 rtol=0, atol=0)
+    monkeypatch.setattr(rescale, "damped_scales", solve)
+    recover(model, reference, blocks, method="rescale")  # without: later layers move
+    assert not torch.equal(_logits(model, blocks),
+                           _logits(_pruned(reference, GPT2_PLAN), blocks))
+
+
 # ---------------------------------------------------------------------- invariants
 @pytest.mark.parametrize("method", ["lsq", "rescale"])
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -402,6 +493,21 @@ def test_bad_arguments_are_user_errors():
         recover(model, model, blocks, method="lsq")
 
 
+def test_a_ridge_for_a_method_without_one_is_refused_before_the_run():
+    from headlab.runs.config import RunConfig
+
+    for method in ("lsq", "distill"):
+        assert RunConfig(model="m", keep=0.5, recover=method, recover_ridge=0.1).validated()
+    for method in ("rescale", "bias", "none"):
+        with pytest.raises(UserError, match=rf"^--recover-ridge applies to lsq .*--recover "
+                                            rf"{method}: drop it$"):
+            RunConfig(model="m", keep=0.5, recover=method, recover_ridge=0.1).validated()
+    with pytest.raises(UserError, match="ridge applies to lsq, not 'rescale'"):
+        reference = _gpt2()
+        recover(_pruned(reference, GPT2_PLAN), reference, _blocks(), method="rescale",
+                ridge=0.1)
+
+
 @pytest.mark.parametrize("method", ["bias", "lsq", "rescale"])
 def test_nan_activations_name_the_layer_and_leave_the_model_unchanged(method):
     """A NaN in the reference's second input norm reaches layer 1's activations: the
@@ -449,6 +555,23 @@ def test_lsq_lowers_held_out_loss_of_a_pruned_model():
         losses[method] = evaluate(model, heldout).loss
     assert losses["none"] > base
     assert losses["lsq"] - base < 0.5 * (losses["none"] - base)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_rescale_lowers_held_out_loss_of_a_pruned_model(seed):
+    """With Kwon et al.'s residual target the rescaled model loses less than with no
+    repair (a fit to the attention output alone does not, on these seeds)."""
+    reference = _llama(seed, initializer_range=0.1)
+    scoring, heldout = _sampled(reference, 48, 24, 0), _sampled(reference, 48, 24, 1)
+    plan = {0: [1, 4], 1: [2, 5], 2: [1, 3]}
+    base = evaluate(reference, heldout).loss
+    lost = {}
+    for method in ("none", "rescale"):
+        model = _pruned(reference, plan)
+        recover(model, reference, scoring, method=method)
+        lost[method] = evaluate(model, heldout).loss - base
+    assert lost["none"] > 0.1
+    assert lost["rescale"] < 0.95 * lost["none"]
 
 
 def test_distill_starts_from_lsq_and_reports_it():

@@ -399,7 +399,7 @@ def _repair_worker(rank: int, world: int, model_dir: str, store: str, out: str) 
         scoring, heldout = _halves(reference)
         plan = _plan()
         found = {}
-        for method in ("lsq", "bias"):
+        for method in ("lsq", "bias", "rescale"):
             # no forward before the repair: the walk itself makes FSDP pick its root
             pruned, _ = sharding.load_sharded(sharding.save_sharded(
                 reference, Path(out) / f"pruned-{method}", plan))
@@ -415,13 +415,13 @@ def _repair_worker(rank: int, world: int, model_dir: str, store: str, out: str) 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_ranks_repair_like_one_process(tiny_llama_shards, tmp_path, world):
-    """lsq and bias on a model sharded across two ranks, and three (uneven rows: the 64
+    """lsq, bias and rescale on a model sharded across two ranks, and three (uneven rows: the 64
     rows of W_O and of the down projection split 22, 22, 20), give the
     single-process repaired weights and held-out loss."""
     mp.spawn(_repair_worker, args=(world, str(tiny_llama_shards), str(tmp_path / "store"),
                                    str(tmp_path)), nprocs=world, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    for method in ("lsq", "bias"):
+    for method in ("lsq", "bias", "rescale"):
         one, report, loss = _repaired_one(tiny_llama_shards, method)
         for multi in ranks:
             _close(multi[method]["loss"], loss)

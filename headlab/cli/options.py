@@ -244,10 +244,10 @@ RECOVERY = (
     Opt("recover", Annotated[Recovery, typer.Option(
         help="Repair after pruning, on the scoring split: lsq refits each layer's output "
              "and MLP down projections, bias folds the removed heads' mean in, rescale "
-             "scales each kept head, distill trains briefly toward the unpruned model "
-             "(after lsq); none compares with Michel et al.")], DEFAULT_RECOVERY),
+             "scales each kept head and neuron (Kwon et al.), distill trains toward the "
+             "unpruned model (after lsq); none compares with Michel et al.")], DEFAULT_RECOVERY),
     Opt("recover_ridge", Annotated[float | None, typer.Option(
-        help="lsq/rescale: ridge toward the current weights, times mean(diag X^T X).")]),
+        help="lsq: ridge toward the current weights, times mean(diag X^T X).")]),
     Opt("recover_tokens", Annotated[int | None, typer.Option(
         help="distill: token budget (default one pass over the scoring split).")]),
     Opt("recover_params", Annotated[RecoverParams, typer.Option(

@@ -18,6 +18,10 @@
     random      seeded uniform scores: the floor every method must beat.
     gates       learned hard-concrete gates toward a target count of heads (Voita et
                 al. 2019, with CoFi's Lagrangian): the log_alphas (`importance.gates`).
+    flap        FLAP's fluctuation metric (An et al. 2024): each W_O input channel's
+                variance over the tokens times its column's squared norm, squared,
+                standardised within each layer, averaged over the head's channels
+                (`importance.flap`).
 Scores are returned per original head index; heads already removed or masked are NaN.
 """
 
@@ -34,20 +38,21 @@ from headlab._util.progress import tokens_in, track
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.importance import gates
+from headlab.importance.flap import flap_scores
 from headlab.importance.scores import HeadScores, active_heads, to_original
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE, objective_for
 from headlab.parallel import distributed
 
 METHODS = ("michel", "fisher", "taylor", "ablation", "entropy", "confidence", "random",
-           "gates")
+           "gates", "flap")
 # Methods whose scores are estimates of the loss increase, in the loss's own units, so
 # comparable across layers as they are: layer-l2 normalisation, which would distort
 # that, is off by default.
 LOSS_ESTIMATES = ("taylor", "ablation")
 # Methods that choose across layers jointly: their scores compare across layers as they
 # are, so layer-l2 normalisation is off by default for them too.
-JOINT = ("gates",)
+JOINT = ("gates", "flap")
 TARGETED = ("gates",)  # the methods that need the number of heads (or groups) to keep
 PER_TOKEN_METHODS = ("michel", "fisher")  # the gradient methods a gate per token serves
 
@@ -119,6 +124,8 @@ def score(
             model, blocks, batch_size, target=target, by_group=unit == "kv-group",
             steps=gate_steps, lr=gate_lr, seed=seed, checkpoint=checkpoint,
             key=checkpoint_key)
+    elif method == "flap":
+        raw, n_tokens = flap_scores(model, blocks, batch_size)
     elif method == "ablation":
         raw, n_tokens = _ablation_scores(model, blocks, batch_size)
     elif method in ("entropy", "confidence"):

@@ -6,7 +6,8 @@ Methods (`RECOVERY_METHODS`):
     none     change nothing; report the per-layer errors only
     bias     the removed heads' mean contribution folded into W_O's bias (`bias`)
     lsq      W_O and its bias refitted by ridge least squares, layer by layer (`lsq`)
-    rescale  one least-squares scale per kept head, folded into W_O (`lsq`)
+    rescale  Kwon et al.'s scale per kept head and MLP neuron, to the residual target
+             (`rescale`)
     distill  a short knowledge distillation toward the reference (`distill`)
 
 The first four need no training and share one walk over the layers
@@ -27,15 +28,10 @@ from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.recovery.bias import BiasCompensation
-from headlab.recovery.layerwise import MakeFit, refitted, repair
-from headlab.recovery.lsq import (
-    DEFAULT_RIDGE,
-    DownProjection,
-    LeastSquares,
-    Rescale,
-    solve_ridge,
-)
+from headlab.recovery.layerwise import MakeDown, MakeFit, refitted, repair
+from headlab.recovery.lsq import DEFAULT_RIDGE, DownProjection, LeastSquares, solve_ridge
 from headlab.recovery.report import LayerError, RecoveryReport
+from headlab.recovery.rescale import DownRescale, Rescale, SkipAttention, Stop
 from headlab.recovery.sharded import RowWriter, is_fsdp
 
 __all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "TRAINING_FREE", "LayerError",
@@ -43,7 +39,7 @@ __all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "TRAINING_FREE", "LayerError",
 
 RECOVERY_METHODS = ("none", "bias", "lsq", "rescale", "distill")
 TRAINING_FREE = ("bias", "lsq", "rescale")  # the ones a schedule can run after each step
-_RIDGE_METHODS = ("lsq", "rescale")
+_RIDGE_METHODS = ("lsq",)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +59,7 @@ def recover(
     ``pruned``: the physically pruned model, its kept heads' weights still the
     reference's. ``reference``: the model before pruning (not modified). ``blocks``:
     the scoring split, as prepared for scoring (only the hidden states matter here).
-    ``ridge`` (lsq, rescale; default `DEFAULT_RIDGE`) scales the pull toward the
+    ``ridge`` (lsq only; default `DEFAULT_RIDGE`) scales the pull toward the
     current weights. ``distill`` starts from ``lsq`` (with ``ridge``) unless
     ``start="none"``; its ``options`` go to `headlab.recovery.distill.distill`, and the
     report holds lsq's per-layer errors. The other methods take no options. On any
@@ -89,18 +85,18 @@ def recover(
         raise UserError(f"{blocks.spec}: no scoring tokens to recover on")
 
     start = time.perf_counter()
-    lsq = method == "lsq"
-    refit_mlp = lsq and bool(pruned.mlp_down)  # Absent(why) is falsy
+    residual = method in ("lsq", "rescale")  # both fit the residual target
+    refit_mlp = residual and bool(pruned.mlp_down)  # Absent(why) is falsy
     notes = []
-    if lsq and not refit_mlp:
+    if residual and not refit_mlp:
         why = getattr(pruned.mlp_down, "reason", "none is declared")
         notes.append(f"{pruned.family} names no MLP down projection ({why}): "
-                     "lsq refitted W_O alone")
+                     f"{method} refitted W_O alone")
         log.warning(notes[-1])
-    layers = repair(pruned, reference, blocks, make_fit=_make_fit(method, ridge),
-                    batch_size=batch_size, method=method, residual=lsq,
-                    make_down=(lambda lin: DownProjection(lin, ridge=ridge)) if refit_mlp
-                    else None)
+    make_fit, make_down = _make_fit(method, ridge)
+    layers = repair(pruned, reference, blocks, make_fit=make_fit,
+                    batch_size=batch_size, method=method, residual=residual,
+                    make_down=make_down if refit_mlp else None)
     return RecoveryReport(method, {} if ridge is None else {"ridge": ridge}, blocks.n_tokens,
                           time.perf_counter() - start, layers, notes)
 
@@ -138,11 +134,15 @@ def _distill(pruned, reference, blocks, *, batch_size: int, ridge: float | None,
         first.layers if first else [], first.notes if first else [])
 
 
-def _make_fit(method: str, ridge: float | None) -> MakeFit:
+def _make_fit(method: str, ridge: float | None) -> tuple[MakeFit, MakeDown | None]:
+    """The walk's fit of each layer's attention, and of its MLP's down projection."""
     if method == "bias":
-        return lambda layer, ref_attn, attn: BiasCompensation(ref_attn, attn)
+        return (lambda layer, ref_attn, attn: BiasCompensation(ref_attn, attn)), None
     if method == "lsq":
-        return lambda layer, ref_attn, attn: LeastSquares(attn, ridge=ridge)
+        return ((lambda layer, ref_attn, attn: LeastSquares(attn, ridge=ridge)),
+                lambda lin: DownProjection(lin, ridge=ridge))
     if method == "rescale":
-        return lambda layer, ref_attn, attn: Rescale(attn, ridge=ridge)
-    return lambda layer, ref_attn, attn: None  # none: errors only
+        stop = Stop()  # one per walk: a failed layer stops every later one
+        return ((lambda layer, ref_attn, attn: Rescale(attn, stop) if layer
+                 else SkipAttention()), lambda lin: DownRescale(lin, stop))
+    return (lambda layer, ref_attn, attn: None), None  # none: errors only

@@ -13,16 +13,17 @@ layer i the walk
   2. runs the pruned layer's attention sublayer alone on its stream x, showing the fit
      the pruned per-head outputs z with its target Y (and the reference's per-head
      outputs, for bias compensation), and installs the new W_O (E, H*D) and bias (E,);
-  3. with ``down`` (lsq), runs the pruned block with that attention output (z through
-     the new W_O) and refits the MLP's down projection so that the block's residual
-     sum after the MLP matches the reference's (`headlab.recovery.lsq.DownProjection`);
+  3. with ``down`` (lsq, rescale), runs the pruned block with that attention output (z
+     through the new W_O) and refits the MLP's down projection so that the block's residual
+     sum after the MLP matches the reference's (`headlab.recovery.lsq.DownProjection`,
+     `headlab.recovery.rescale.DownRescale`);
   4. advances the pruned stream by the block, its sublayers answering with the outputs
      computed in 2 and 3 (the norms and residual sums around them are the block's own).
 
-The target Y of the attention output is, with ``residual`` (lsq), what makes the
-pruned residual sum equal the reference's: Y = x_ref + attn_ref(x_ref) - x. So each
+The target Y of the attention output is, with ``residual`` (lsq, rescale), what makes
+the pruned residual sum equal the reference's: Y = x_ref + attn_ref(x_ref) - x. So each
 layer also corrects the drift that the earlier layers left in the stream (Kwon et al.
-2022 reconstruct a layer's output with its residual). Without it (bias, rescale), Y is
+2022 reconstruct a layer's output with its residual). Without it (bias), Y is
 the reference's attention output alone.
 
 Each block runs once per stream, and the pruned block's attention and MLP once more

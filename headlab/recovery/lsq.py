@@ -1,4 +1,4 @@
-"""Least-squares refits of a pruned layer's output projection (lsq, rescale).
+"""Least-squares refits of a pruned layer's output projection (lsq).
 
 ``lsq`` refits the kept heads' W_O (E x H*D) and its bias so that the pruned layer's
 attention output matches the reference's (Kwon et al. 2022's layer-wise
@@ -12,8 +12,8 @@ reconstruction, on the output projection):
     W = argmin ||X W - Y||^2 + lambda ||W - W0||^2,   W0 = [W_O^T; bias]
 
 Because Y comes from the reference's own stream, the fit also corrects the drift
-that earlier layers leave in the pruned stream. ``rescale`` is Kwon et al.'s cheaper
-variant: one scale per kept head (H unknowns), folded into W_O's columns.
+that earlier layers leave in the pruned stream. Kwon et al.'s own, cheaper variant,
+one scale per kept head, is ``rescale`` (`headlab.recovery.rescale`).
 
 X^T X and X^T Y are summed in float64 over batches (memory O((H*D)^2 + H*D*E) per
 layer; activations are never kept), each batch's products taken in float32 when a
@@ -126,32 +126,6 @@ class LeastSquares(LayerFit):
         w0 = torch.cat([w.T, b[None]], dim=0)  # (H*D + 1, E)
         fitted = solve_ridge(self.eq.xtx, self.eq.xty, w0, self.ridge)
         return fitted[:-1].T, fitted[-1]  # W_O (E, H*D), bias (E,)
-
-
-class Rescale(LeastSquares):
-    """``rescale``: one scale s_h per kept head h, the bias kept:
-
-        s = argmin ||sum_h s_h P_h - (Y - b)||^2 + lambda ||s - 1||^2,  P_h = z_h W_h^T
-
-    with W_h (E, D) head h's columns of W_O. Its normal equations come from the same
-    sums as lsq's, never forming P (N, H, E):
-
-        G_hg = sum_{d,e} (X^T X)[hd, ge] (W^T W)[hd, ge]
-        r_h  = sum_{d,e} (X^T Y - (X^T 1) b^T)[hd, e] W[e, hd]
-    """
-
-    def solve(self):
-        H, D = self.attn.n_heads, self.attn.head_dim
-        if H == 0:
-            return None
-        w, b = self._weights()  # (E, H*D), (E,)
-        F = H * D
-        xtx, xsum, xty = self.eq.xtx[:F, :F], self.eq.xtx[:F, F], self.eq.xty[:F]
-        gram = (xtx * (w.T @ w)).view(H, D, H, D).sum((1, 3))  # (H, H)
-        rhs = ((xty - xsum[:, None] * b[None]) * w.T).view(H, -1).sum(1)  # (H,)
-        ones = torch.ones(H, 1, dtype=gram.dtype, device=gram.device)
-        scale = solve_ridge(gram, rhs[:, None], ones, self.ridge)[:, 0]  # (H,)
-        return (w.view(-1, H, D) * scale[None, :, None]).reshape(-1, F), None
 
 
 class DownProjection(DownFit):

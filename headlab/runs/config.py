@@ -87,7 +87,7 @@ class RunConfig:
     export: str | None = None
     # what repairs the pruned model; the default is measured (README, "Prune and repair")
     recover: str = "lsq"
-    recover_ridge: float | None = None  # lsq, rescale: None is the measured default
+    recover_ridge: float | None = None  # lsq, distill: None is the measured default
     recover_tokens: int | None = None  # distill: token budget; None is one pass
     recover_params: str = "out"  # distill: what trains
     recover_lr: float = 1e-4  # distill
@@ -210,6 +210,9 @@ class RunConfig:
         if self.recover_ridge is not None and not 0 <= self.recover_ridge <= MAX_RIDGE:
             raise UserError(f"--recover-ridge must be in [0, {MAX_RIDGE:g}] (times the "
                             f"mean of diag X^T X), got {self.recover_ridge}")
+        if self.recover_ridge is not None and self.recover not in ("lsq", "distill"):
+            raise UserError(f"--recover-ridge applies to lsq (and distill's lsq start), "
+                            f"not --recover {self.recover}: drop it")
         if not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"--seed must be in [0, 2**63 - 1], got {self.seed}")
         if self.recover != "distill":

@@ -380,7 +380,7 @@ class Stage:
         checkpointed with the run."""
         cfg = self.cfg
         options: dict[str, Any] = {}
-        if cfg.recover in ("lsq", "rescale", "distill") and cfg.recover_ridge is not None:
+        if cfg.recover in ("lsq", "distill") and cfg.recover_ridge is not None:
             options["ridge"] = cfg.recover_ridge
         if cfg.recover == "distill":
             options.update(tokens=cfg.recover_tokens, params=cfg.recover_params,

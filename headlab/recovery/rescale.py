@@ -1,0 +1,153 @@
+"""``rescale``: Kwon et al. 2022's mask rescaling (prune/rescale.py of their code).
+
+Layer by layer in order, on the walk's two streams (the reference's own, and the pruned
+model's with its earlier layers already rescaled), one scale per kept head and, in
+the MLP, one per neuron, fitted to the residual target
+
+    B = Y - b        (N, E)  Y = ref_out(x_ref) + x_ref - x, the output the sublayer
+                             should give for the pruned sum to equal the reference's;
+                             b its output projection's bias (zeros if none)
+
+Attention (skipped at layer 0, as Kwon's ``layer_idx != 0``): with P_h = z_h W_h^T
+(N, E) head h's contribution through its columns W_h (E, D) of W_O, the unknowns are
+s (H) and one constant c shared by every token and channel:
+
+    A = [vec P_1, ..., vec P_H, 1]   (N*E, H + 1)
+
+The MLP (every layer): with a_f (N) neuron f's input to the down projection and w_f
+(E) its column, A = [vec a_1 w_1^T, ...] (N*E, F), no constant.
+
+Both are solved as Kwon's ``lsmr_cupy_solver`` does: on the normal equations
+G = A^T A, r = A^T vec B, for the deviation from 1 with LSMR's damping 1,
+
+    u = argmin ||G u - (r - G 1)||^2 + ||u||^2,   scales = 1 + u
+
+(computed here exactly, by an eigendecomposition of G, where LSMR iterates toward it).
+The constant is dropped; the scales are folded into the columns of W_O or of the down
+projection, biases kept. A solve that fails, or any scale outside [-10, 10], stops
+the rescaling: that sublayer and every later one are left as they are. One safeguard
+is headlab's own: scales that, without the constant, would fit B worse than all ones
+do are not installed (that sublayer only is left as it is), so no sublayer's error
+rises.
+
+G and r come from X^T X and X^T Y summed over batches (X = [z, 1] or [a, 1]), never
+forming A: G_hg = sum_{d,e} (X^T X)[hd, ge] (W^T W)[hd, ge], and so on below.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from headlab.attention import MultiHeadAttention
+from headlab.recovery.layerwise import DownFit, LayerFit
+from headlab.recovery.lsq import NormalEquations
+
+SCALE_BOUND = 10.0  # Kwon et al.'s code: a scale beyond it stops the rescaling
+
+
+class Stop:
+    """Shared by one walk's fits: set once a solve fails or a scale leaves the bound."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+
+def damped_scales(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor | None:
+    """1 + argmin_u ||G u - (r - G 1)||^2 + ||u||^2 for G (P, P) symmetric, r (P,),
+    in float64; None if the decomposition fails or gives non-finite values."""
+    if not (bool(torch.isfinite(gram).all()) and bool(torch.isfinite(rhs).all())):
+        raise FloatingPointError("the accumulated activations hold NaN or inf values")
+    g = gram.double().cpu()
+    b = rhs.double().cpu() - g.sum(1)
+    try:
+        lam, q = torch.linalg.eigh((g + g.T) / 2)
+    except RuntimeError:  # torch.linalg.LinAlgError: the solve failed
+        return None
+    u = q @ (lam / (lam * lam + 1) * (q.T @ b))
+    scales = 1 + u
+    return scales.to(gram.device) if bool(torch.isfinite(scales).all()) else None
+
+
+def _checked(scales: torch.Tensor | None, gram: torch.Tensor, rhs: torch.Tensor,
+             n: int, stop: Stop) -> torch.Tensor | None:
+    """The first ``n`` scales, or None: with ``stop`` set if the solve failed or a scale
+    is out of bounds, without if they would fit worse than 1 does."""
+    if scales is None or float(scales.abs().max()) > SCALE_BOUND:
+        stop.stopped = True
+        return None
+    s, g, r = scales[:n], gram[:n, :n], rhs[:n]
+    ones = torch.ones_like(s)
+    # ||A s - B||^2 - ||B||^2 without the constant, against the same at s = 1
+    if float(s @ g @ s - 2 * s @ r) > float(ones @ g @ ones - 2 * ones @ r):
+        return None
+    return s
+
+
+class Rescale(LayerFit):
+    """One scale per kept head of one layer (see the module docstring)."""
+
+    def __init__(self, attn: MultiHeadAttention, stop: Stop) -> None:
+        self.attn, self.stop = attn, stop
+        w = attn.o_proj.weight
+        self.eq = NormalEquations(w.shape[1] + 1, w.shape[0], w.device)
+
+    def pruned(self, z: torch.Tensor, y: torch.Tensor) -> None:
+        if not self.stop.stopped:
+            x = z.reshape(z.shape[0], -1)  # (N, H*D)
+            self.eq.add(torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1), y)
+
+    def solve(self):
+        H, D = self.attn.n_heads, self.attn.head_dim
+        if H == 0 or self.stop.stopped:
+            return None
+        lin = self.attn.o_proj
+        w = lin.weight.detach().to(self.eq.xtx.device, torch.float64)  # (E, H*D)
+        b = (torch.zeros_like(w[:, 0]) if lin.bias is None
+             else lin.bias.detach().to(w))  # (E,)
+        F, E = H * D, w.shape[0]
+        xtx, xsum, xty = self.eq.xtx[:F, :F], self.eq.xtx[:F, F], self.eq.xty[:F]
+        ysum = self.eq.xty[F]  # (E,) sum of Y over tokens
+        gram = torch.zeros(H + 1, H + 1, dtype=w.dtype, device=w.device)
+        gram[:H, :H] = (xtx * (w.T @ w)).view(H, D, H, D).sum((1, 3))
+        gram[:H, H] = gram[H, :H] = (xsum * w.sum(0)).view(H, D).sum(1)  # sum of P_h
+        gram[H, H] = self.eq.rows * E
+        rhs = torch.empty(H + 1, dtype=w.dtype, device=w.device)
+        rhs[:H] = ((xty - xsum[:, None] * b[None]) * w.T).view(H, -1).sum(1)
+        rhs[H] = ysum.sum() - self.eq.rows * b.sum()
+        scales = _checked(damped_scales(gram, rhs), gram, rhs, H, self.stop)
+        if scales is None:
+            return None
+        return (w.view(E, H, D) * scales[:, None].to(w)).reshape(E, F), None
+
+
+class SkipAttention(LayerFit):
+    """Layer 0's attention, which Kwon et al. leave as it is; reports its error."""
+
+
+class DownRescale(DownFit):
+    """One scale per neuron of one block's MLP down projection (F -> E)."""
+
+    def __init__(self, linear: nn.Linear, stop: Stop) -> None:
+        self.linear, self.stop = linear, stop
+        w = linear.weight
+        self.eq = NormalEquations(w.shape[1] + 1, w.shape[0], w.device)
+
+    def add(self, act: torch.Tensor, y: torch.Tensor, y_hat: torch.Tensor) -> None:
+        if not self.stop.stopped:
+            self.eq.add(torch.cat([act, act.new_ones(act.shape[0], 1)], dim=1), y)
+
+    def solve(self):
+        if self.stop.stopped:
+            return None
+        w = self.linear.weight.detach().to(self.eq.xtx.device, torch.float64)  # (E, F)
+        b = (torch.zeros_like(w[:, 0]) if self.linear.bias is None
+             else self.linear.bias.detach().to(w))
+        F = w.shape[1]
+        xtx, xsum, xty = self.eq.xtx[:F, :F], self.eq.xtx[:F, F], self.eq.xty[:F]
+        gram = xtx * (w.T @ w)  # (F, F)
+        rhs = ((xty - xsum[:, None] * b[None]) * w.T).sum(1)  # (F,)
+        scales = _checked(damped_scales(gram, rhs), gram, rhs, F, self.stop)
+        if scales is None:
+            return None
+        return w * scales[None].to(w), None
