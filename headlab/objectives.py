@@ -296,8 +296,8 @@ class Embedding(Objective):
     def check_prepared(self, blocks, *, what):
         if "reference" not in blocks.extras:
             raise UserError(f"{what}: blocks lack the reference embeddings that embedding "
-                            "fidelity compares with; pass headlab.prepare(model, blocks), "
-                            "made on the unpruned model")
+                            "fidelity compares with; call prepare first: "
+                            "headlab.prepare(model, blocks) on the unpruned model")
 
     def losses(self, model, out, batch, *, scoring=False):
         """``1 - cos`` to the reference. With ``scoring=True`` the loss is the projection

@@ -10,6 +10,7 @@ pruning saves the mask, the curve and the scores after each step.
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,14 @@ def _compare(path: Path, states: dict[str, Any], identity: dict[str, Any]) -> No
     if not states:
         return
     stored = states.get(IDENTITY)
+    if stored is None:  # written before checkpoints recorded their run: still resumable
+        logging.getLogger("headlab").warning(
+            "checkpoint %s predates identity records: it cannot be checked against the "
+            "configuration, and resumes as the run's config.json says", path)
+        return
     if not isinstance(stored, dict):
-        raise UserError(f"checkpoint {path} does not record which run it belongs to; delete "
-                        "it to start the run over")
+        raise UserError(f"checkpoint {path} records no readable run identity; delete it to "
+                        "start the run over")
     for key, value in identity.items():
         if stored.get(key) != value:
             raise UserError(
