@@ -699,3 +699,29 @@ def test_a_family_without_a_down_projection_is_said_not_skipped(caplog):
     assert RecoveryReport.from_json(report.to_json()).notes == report.notes
     assert all(e.mlp_error_before is None for e in report.layers)
     assert all(e.error_after <= e.error_before + 1e-6 for e in report.layers)
+
+
+@pytest.mark.parametrize("method", ["lsq", "distill"])
+def test_a_repair_that_leaves_weights_out_of_range_is_refused_and_undone(method, monkeypatch):
+    """A fit gone wrong (here lsq's solve scaled a millionfold, or distillation at a
+    learning rate of 1e3 for one step) stops in one line naming the weight, and the pruned model is
+    left as it came."""
+    import headlab.recovery.lsq as lsq_module
+
+    build, plan = MODELS["llama"]
+    reference, blocks = build(), _blocks()
+    model = _pruned(reference, plan)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    options = {}
+    if method == "lsq":
+        solve = lsq_module.solve_ridge
+        monkeypatch.setattr(lsq_module, "solve_ridge", lambda *a, **k: solve(*a, **k) * 1e6)
+    else:
+        options = {"start": "none", "lr": 1e3, "params": "all", "tokens": 100}  # one step
+    with pytest.raises(UserError, match=rf"recovery {method} left \S+ (non-finite|at \S+, "
+                                        r"over 1000 times).* left as it came"):
+        recover(model, reference, blocks, method=method, **options)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k

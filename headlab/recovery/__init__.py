@@ -32,6 +32,7 @@ from headlab.recovery.layerwise import MakeDown, MakeFit, refitted, repair
 from headlab.recovery.lsq import DEFAULT_RIDGE, DownProjection, LeastSquares, solve_ridge
 from headlab.recovery.report import LayerError, RecoveryReport
 from headlab.recovery.rescale import DownRescale, Rescale, SkipAttention, Stop
+from headlab.recovery.sanity import check_sane
 from headlab.recovery.sharded import RowWriter, is_fsdp
 
 __all__ = ["DEFAULT_RIDGE", "RECOVERY_METHODS", "TRAINING_FREE", "LayerError",
@@ -94,9 +95,16 @@ def recover(
                      f"{method} refitted W_O alone")
         log.warning(notes[-1])
     make_fit, make_down = _make_fit(method, ridge)
+    originals = refitted(pruned)  # the walk replaces these; setting them back undoes it
     layers = repair(pruned, reference, blocks, make_fit=make_fit,
                     batch_size=batch_size, method=method, residual=residual,
                     make_down=make_down if refit_mlp else None)
+    try:
+        check_sane(pruned, reference, method)
+    except UserError:
+        for owner, name, module in originals:
+            setattr(owner, name, module)
+        raise
     return RecoveryReport(method, {} if ridge is None else {"ridge": ridge}, blocks.n_tokens,
                           time.perf_counter() - start, layers, notes)
 

@@ -41,6 +41,7 @@ from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.objectives import objective_for
+from headlab.recovery.sanity import check_sane
 from headlab.recovery.sharded import all_sum, is_fsdp, local
 
 PARAMS = ("out", "attention", "all", "lora")
@@ -179,6 +180,7 @@ def distill(
                     save()
                 if on_step is not None:
                     on_step(done, loss)
+            check_sane(pruned, reference, "distill")  # a diverged run is put back below
         except BaseException as exc:
             try:
                 if isinstance(exc, KeyboardInterrupt) and not updating and done > start:
