@@ -69,3 +69,30 @@ def test_only_asked_heads_and_bad_inputs(tiny_gpt2):
         patch(tiny_gpt2, clean, corrupted[:, :-1], metric=metric)
     with pytest.raises(headlab.errors.UserError, match="site"):
         patch(tiny_gpt2, clean, corrupted, metric=metric, site="mlp")
+
+
+def test_a_layers_heads_are_patched_in_one_batch_each_as_if_alone(tiny_llama):  # noqa: F811
+    """Every head's effect, both ways, equals patching it alone through the API, while
+    the forwards are one per layer, direction and batch of pairs, not one per head."""
+    clean, corrupted, metric = _pairs(tiny_llama, n=6)
+    calls = []
+    handle = tiny_llama.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        got = patch(tiny_llama, clean, corrupted, metric=metric, batch_size=4, n_boot=20)
+    finally:
+        handle.remove()
+    batches = 2  # 6 pairs in batches of 4
+    assert len(calls) == 2 * batches + tiny_llama.n_layers * 2 * batches
+    for layer in range(tiny_llama.n_layers):
+        for head in range(tiny_llama.n_original_heads):
+            into_corrupted = patched_metric(tiny_llama, corrupted, clean, metric=metric,
+                                            heads={layer: [head]})
+            into_clean = patched_metric(tiny_llama, clean, corrupted, metric=metric,
+                                        heads={layer: [head]})
+            span = got.clean - got.corrupted
+            torch.testing.assert_close(got.denoise[layer][head],
+                                       float((into_corrupted.mean() - got.corrupted) / span),
+                                       atol=1e-6, rtol=0)
+            torch.testing.assert_close(got.noise[layer][head],
+                                       float((got.clean - into_clean.mean()) / span),
+                                       atol=1e-6, rtol=0)

@@ -135,7 +135,8 @@ def patch(model: HeadModel, clean: torch.Tensor | Sequence[str],
           n_boot: int = 1000, seed: int = 0) -> PatchingResult:
     """Patch each head (or only ``heads``: {layer: original ids}) between ``clean`` and
     ``corrupted`` prompts, input ids (N, S) or texts of equal token counts, measured
-    by ``metric`` (see `logit_diff`)."""
+    by ``metric`` (see `logit_diff`). The heads of a layer are patched in one batch, a
+    row per (head, pair): ``batch_size`` pairs make batch_size x heads rows."""
     clean, corrupted = (prompt_ids(model.tokenizer, p) for p in (clean, corrupted))
     if isinstance(metric, LogitDiff):
         metric = metric.for_tokenizer(model.tokenizer)
@@ -150,17 +151,22 @@ def patch(model: HeadModel, clean: torch.Tensor | Sequence[str],
     try:
         cache_clean, m_clean = _run(model, clean, metric, site, batch_size)
         cache_corr, m_corr = _run(model, corrupted, metric, site, batch_size)
-        jobs = [(i, p, h) for i, a in enumerate(model.attentions)
-                for p, h in enumerate(a.head_ids.tolist())
-                if heads is None or h in heads.get(i, ())]
+        jobs = {i: [(p, h) for p, h in enumerate(a.head_ids.tolist())
+                    if heads is None or h in heads.get(i, ())]
+                for i, a in enumerate(model.attentions)}
+        jobs = {i: job for i, job in jobs.items() if job}
         shape = (model.n_layers, model.n_original_heads)
         per_pair = {"denoise": {}, "noise": {}}
-        for layer, pos, head in track(jobs, total=len(jobs),
-                                      description=f"patching {len(jobs)} heads, both ways"):
-            per_pair["denoise"][layer, head] = _patched(model, corrupted, cache_clean, metric,
-                                                        site, {layer: [pos]}, batch_size)
-            per_pair["noise"][layer, head] = _patched(model, clean, cache_corr, metric,
-                                                      site, {layer: [pos]}, batch_size)
+        n_heads = sum(len(job) for job in jobs.values())
+        for layer in track(jobs, total=n_heads, size=lambda layer: len(jobs[layer]),
+                           unit="heads", description=f"patching {n_heads} heads, both ways"):
+            positions = [p for p, _ in jobs[layer]]
+            for which, receiver, source in (("denoise", corrupted, cache_clean),
+                                            ("noise", clean, cache_corr)):
+                each = _patched_each(model, receiver, source, metric, site, layer, positions,
+                                     batch_size)
+                for (_, head), m in zip(jobs[layer], each, strict=True):
+                    per_pair[which][layer, head] = m
     finally:
         model.train(was_training)
     gen = torch.Generator().manual_seed(seed)
@@ -220,6 +226,33 @@ def patched_metric(model: HeadModel, receiver: torch.Tensor, donor: torch.Tensor
         if pos:
             where[layer] = pos
     return _patched(model, receiver, source, metric, site, where, batch_size)
+
+
+def _patched_each(model, ids, source, metric, site, layer: int, positions: list[int],
+                  batch_size) -> torch.Tensor:
+    """The metric (K, N) on ``ids`` with each of the K head ``positions`` of ``layer``
+    alone replaced by ``source``'s activation at the site: one batch holds the K heads'
+    copies of up to ``batch_size`` pairs, row k * n + j patching head k of pair j."""
+    dim = SITES[site]
+    k = len(positions)
+    values = []
+    for start in range(0, len(ids), batch_size):
+        batch = ids[start:start + batch_size].to(model.device)
+        n = len(batch)
+        donor = source[layer][start:start + n].to(model.device)
+
+        def fn(t: torch.Tensor, _name: str, _donor=donor, _n=n) -> torch.Tensor:
+            t = t.clone()  # (K * n, ...), the heads along ``dim``
+            for row, pos in enumerate(positions):
+                rows = t[row * _n:(row + 1) * _n]
+                rows.select(dim, pos).copy_(_donor.select(dim, pos).to(t.dtype))
+            return t
+
+        with hooks(model, {f"blocks.{layer}.attn.{site}": fn}):
+            logits = model(batch.repeat(k, 1)).logits  # (K * n, S, V)
+        index = torch.arange(start, start + n).repeat(k)
+        values.append(metric(logits, index).cpu().view(k, n))
+    return torch.cat(values, dim=1).double()  # (K, N)
 
 
 def _patched(model, ids, source, metric, site, where: dict[int, list[int]],
