@@ -34,6 +34,7 @@ from headlab.analysis import (
     head_statistics,
     rollout,
 )
+from headlab.analysis.attribution import LogitAttribution
 from headlab.attention.hooks import capture
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
@@ -307,6 +308,7 @@ def inspect_text(
     *,
     html: str | Path | None = None,
     device: str = "auto",
+    attribution: LogitAttribution | None = None,
 ) -> tuple[list[dict[str, Any]], Path | None]:
     """Per-head statistics of one text, and optionally the offline HTML view of it.
 
@@ -315,14 +317,15 @@ def inspect_text(
     one dict per present head with ``layer``, ``head`` (original index) and the
     statistics of `headlab.analysis.STAT_NAMES` (entropy in nats; first, cls, sep,
     punct, self, prev, next as mean attention mass; confidence), rounded to 4 decimals;
-    and the file written (atomically) when ``html`` is given, else None.
+    and the file written (atomically) when ``html`` is given, else None; the page shows
+    ``attribution`` (`headlab.logit_attribution` of the same text) where given.
     """
     model = _load(model_or_name, device)
     enc = _encode(model, text)
     stats = _statistics(model, enc)
     written = None
     if html is not None:
-        page = render(_result(model, text, enc, stats), view="text")
+        page = render(_result(model, text, enc, stats), view="text", attribution=attribution)
         written = atomic_write_text(html, page)
     records = [{k: _rounded(v) for k, v in r.items()} for r in stats.records]
     return records, written

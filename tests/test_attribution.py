@@ -147,3 +147,30 @@ def test_models_without_token_logits_are_refused(kind, tmp_path):
     assert model.kind == kind
     with pytest.raises(headlab.errors.UserError, match="logits over a vocabulary"):
         logit_attribution(model, torch.tensor([[0, 5, 6, 2]]), target=5, foil=6)
+
+
+def test_cli_inspect_puts_the_attribution_in_the_html_view(tiny_gpt2_dir, tiny_gpt2,
+                                                            tmp_path):
+    """--target/--foil with --html: the one-text view holds the attribution map, every
+    head's value as the API computes it, and links to it."""
+    import html as html_lib
+    import re
+
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+
+    text, out = "The cat sat on the mat and", tmp_path / "view.html"
+    result = CliRunner().invoke(app, ["inspect", str(tiny_gpt2_dir), text, "--target", " the",
+                                      "--foil", " a", "--html", str(out)])
+    assert result.exit_code == 0, result.output
+    page = out.read_text(encoding="utf-8")
+    assert 'href="#attribution"' in page
+    section = page[page.index('<section id="attribution">'):]
+    section = section[:section.index("</section>")]
+    found = logit_attribution(tiny_gpt2, text, target=" the", foil=" a")
+    titles = dict(re.findall(r'title="(L\d+ H\d+): ([^"]+)"', html_lib.unescape(section)))
+    assert len(titles) == tiny_gpt2.n_layers * tiny_gpt2.n_original_heads
+    for layer, row in enumerate(found.heads):
+        for head, v in enumerate(row):
+            assert titles[f"L{layer} H{head}"] == f"{v:+.4g}"

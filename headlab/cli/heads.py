@@ -42,12 +42,20 @@ def inspect(
 
             raise UserError("give --target and --foil together")
         _check_file_out("--html", html)
-        if target is not None:
-            _print_attribution(model, text, target, foil, top, device.value)
-            return
+        from headlab.models import load
+        from headlab.runs.config import resolve_device
         from headlab.viz import inspect_text
 
-        table, written = inspect_text(model, text, html=html, device=device.value)
+        loaded = load(model, device=resolve_device(device.value))
+        found = None
+        if target is not None:
+            found = _print_attribution(loaded, text, target, foil, top)
+            if html is None:
+                return
+        table, written = inspect_text(loaded, text, html=html, attribution=found)
+        if found is not None:
+            typer.echo(f"view: {written}")
+            return
         from rich.console import Console
         from rich.table import Table
 
@@ -66,20 +74,18 @@ def inspect(
     guard(body)
 
 
-def _print_attribution(model: str, text: str, target: str, foil: str, top: int,
-                       device: str) -> None:
+def _print_attribution(model, text: str, target: str, foil: str, top: int):
+    """Print each head's direct logit attribution on ``text``; return it."""
     from headlab.analysis.attribution import logit_attribution
-    from headlab.models import load
-    from headlab.runs.config import resolve_device
 
-    found = logit_attribution(load(model, device=resolve_device(device)), text,
-                              target=target, foil=foil)
+    found = logit_attribution(model, text, target=target, foil=foil)
     heads = found.total() - sum(found.rest.values())
     typer.echo(f"logit({target!r}) - logit({foil!r}) = {found.logit_diff:.4f} at position "
                f"{found.position}: heads {heads:.4f}, the rest {sum(found.rest.values()):.4f} "
                f"(final norm scale frozen at {found.norm_scale:.4g})")
     for layer, head, v in found.top(top):
         typer.echo(f"  L{layer}H{head} {v:+.4f}")
+    return found
 
 
 def detect(

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
@@ -23,6 +24,9 @@ from headlab.errors import UserError
 from headlab.results import RunResult
 
 from . import _benchmarks, _context
+
+if TYPE_CHECKING:
+    from headlab.analysis.attribution import LogitAttribution
 from ._encoding import decode_attention, encode_attention, script_json
 
 __all__ = ["build_report", "decode_attention", "encode_attention", "render", "write_report"]
@@ -55,14 +59,19 @@ def write_report(run_dir: str | Path) -> Path:
 VIEWS = ("run", "text")
 
 
-def render(result: RunResult, *, view: str = "run") -> str:
+def render(result: RunResult, *, view: str = "run",
+           attribution: LogitAttribution | None = None) -> str:
     """The page as one string: inline CSS and JS, the policy, the data block, the figures.
 
     ``view="run"`` is a run's report; ``view="text"`` the view of one text's attention
     (`headlab.viz`): its attention maps, explorer and per-head statistics, without the
-    run's sections (quality, importance, curve, files), which it never measured."""
+    run's sections (quality, importance, curve, files), which it never measured, and
+    with ``attribution`` (a `headlab.analysis.attribution.LogitAttribution` of the same
+    text) its per-head direct logit attribution."""
     if view not in VIEWS:
         raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {view!r}")
+    if attribution is not None and view != "text":
+        raise ValueError("attribution belongs to the one-text view (view='text')")
     js = (_HERE / "report.js").read_text(encoding="utf-8")
     css = (_HERE / "report.css").read_text(encoding="utf-8")
     if "</" in js or "</" in css:
@@ -107,4 +116,6 @@ def render(result: RunResult, *, view: str = "run") -> str:
         sample=sample,
         sample_note=sample_note,
         not_measured=_context.NOT_MEASURED,
+        # the attribution's own map: its text is escaped where it is built
+        attribution=Markup(attribution._repr_html_()) if attribution is not None else None,
     )
