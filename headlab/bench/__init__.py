@@ -107,7 +107,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048)),
                                 validate=(("minilm-l6", 64, 1024),)),
         "recovery": RecoverySizes(runs=(("smollm2-135m", 64, 1024, ()),
-                                        ("minilm-l6", 128, 2048, (("normalize", False),)))),
+                                        ("minilm-l6", 128, 2048, (("normalize", False),))),
+                                  distill_tokens=4096),
     },
     # for the tests: seconds, random tiny models only
     "tiny": {

@@ -75,7 +75,8 @@ def bench(
     which: Annotated[str, typer.Argument(
         help="attention|models|hooks|importance|pruning|generate|quality|recovery|all")]
     = "all",
-    quick: Annotated[bool, typer.Option(help="Small sizes, about 2 minutes.")] = False,
+    quick: Annotated[bool, typer.Option(
+        help="Small sizes: minutes, where the full sizes take hours on two cores.")] = False,
     device: Annotated[opt.Device, typer.Option()] = opt.Device.cpu,
     out: Annotated[Path, typer.Option(help="Where the JSON files go.")] = Path("reports/bench"),
 ) -> None:
