@@ -198,6 +198,25 @@ def test_an_empty_out_is_refused(capsys, tmp_path, tiny_gpt2_dir, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("command", "words"), [
+    ("prune", "(twice: a prune keeps the pruned copy beside it)"), ("score", "in float32")])
+def test_weights_larger_than_the_memory_are_refused_before_loading(
+        capsys, tmp_path, tiny_gpt2_dir, monkeypatch, command, words):
+    """A model whose weights (counted from the safetensors header) cannot fit the
+    device's memory is refused in one line before a byte of them is read."""
+    from headlab.models import loading
+    from headlab.runs import preflight
+
+    monkeypatch.setattr(preflight, "available", lambda device: 1000)  # bytes
+    monkeypatch.setattr(loading, "read_weights", lambda *a: pytest.fail("weights read"))
+    out = tmp_path / "r"
+    options = _QUICK if command == "prune" else ["--method", "random", "-q"]
+    code, _, err = cli(capsys, command, "-m", str(tiny_gpt2_dir), "--out", str(out), *options)
+    assert_one_line(code, err, "parameters need")
+    assert words in err and "more than the 0.0 GiB cpu can give" in err
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- resume is the same run
 def _score_args(model: Path, data: Path, out: Path) -> list[str]:
     return ["score", "-m", str(model), "--data", str(data), "--max-tokens", "2048",

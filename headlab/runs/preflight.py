@@ -36,8 +36,9 @@ from headlab.models.loading import (
     gguf_cache_dir,
     read_tokenizer,
 )
+from headlab.parallel.memory import GIB, HEADROOM, available
 from headlab.runs import lock as runlock
-from headlab.runs.config import RunConfig
+from headlab.runs.config import RunConfig, resolve_device
 from headlab.selection import heads_to_keep
 
 log = logging.getLogger("headlab")
@@ -67,6 +68,24 @@ def check_run(cfg: RunConfig, out: Path, *, resume: bool,
             raise UserError(f"{cfg.model} has {heads} attention heads: {exc}") from None
     if cfg.command == "prune" and params is not None:
         _warn_if_disk_small(out, params * _DTYPE_BYTES.get(cfg.dtype, 4))
+    if params is not None and cfg.shard is None:
+        check_weights_fit(cfg, params)
+
+
+def check_weights_fit(cfg: RunConfig, params: int) -> None:
+    """The weights alone (a prune holds its pruned copy beside them) within the device's
+    memory, before any is read. Under --shard the sharded loader checks its own
+    estimate, activations included (`headlab.parallel.memory.check_memory`)."""
+    device = resolve_device(cfg.device)
+    copies = 2 if cfg.command == "prune" else 1
+    need = params * _DTYPE_BYTES.get(cfg.dtype, 4) * copies
+    have = int(HEADROOM * available(device))
+    if need > have:
+        twice = " (twice: a prune keeps the pruned copy beside it)" if copies == 2 else ""
+        raise UserError(f"{cfg.model}: its {params:,} parameters need {need / GIB:.1f} GiB in "
+                        f"{cfg.dtype}{twice}, more than the {have / GIB:.1f} GiB {device} can "
+                        "give; use --dtype bfloat16, a smaller model, or --shard fsdp on "
+                        "several GPUs")
 
 
 def check_out(out: Path, *, resume: bool) -> None:
