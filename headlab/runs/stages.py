@@ -58,6 +58,10 @@ def now() -> str:
 
 
 LONG_LATENCY = 2048  # tokens: the run's second latency length, capped by the positions
+# interleaved rounds of each model at the long length: a forward there is seconds on a
+# CPU (Gemma-3-270M's, with its 262k-token vocabulary, about ten), so fewer than the 7
+# of the short one
+LONG_LATENCY_ROUNDS = 3
 
 
 @torch.inference_mode()
@@ -258,11 +262,14 @@ class Stage:
         log.info("timing the pruned model against the unpruned one")
         short = min(cfg.latency_seq_len, self.seq_len, self.model.max_positions)
         long = min(LONG_LATENCY, self.model.max_positions)
-        shapes = [(cfg.latency_batch, short)] + ([(1, long)] if long > short else [])
+        shapes = [(cfg.latency_batch, short, 7)]
+        if long > short:
+            shapes.append((1, long, LONG_LATENCY_ROUNDS))
         rows = []
         with spinner("timing the pruned model against the unpruned one"):
-            for batch, seq_len in shapes:
-                t_before, t_after = compare_latency(self.model, pruned, batch, seq_len)
+            for batch, seq_len, rounds in shapes:
+                t_before, t_after = compare_latency(self.model, pruned, batch, seq_len,
+                                                    rounds=rounds)
                 flops = count_flops(self.model, batch, seq_len)["total"]
                 drop = 1 - count_flops(pruned, batch, seq_len)["total"] / flops
                 rows.append(LengthLatency(t_before, t_after, batch=batch, seq_len=seq_len,
