@@ -725,3 +725,19 @@ def test_a_repair_that_leaves_weights_out_of_range_is_refused_and_undone(method,
     assert after.keys() == before.keys()
     for k, v in before.items():
         assert torch.equal(after[k], v), k
+
+
+def test_lsq_on_fewer_tokens_than_inputs_says_so():
+    """The report notes (and the log warns) when the scoring tokens are fewer than the
+    widest projection lsq refits, and not otherwise."""
+    build, plan = MODELS["llama"]
+    reference = build()
+    widest = max(getattr(m, "in_features", 0)
+                 for _, _, m in headlab.recovery.layerwise.refitted(reference))
+    few = _blocks(n=2, seq=max(2, widest // 4))
+    report = recover(_pruned(reference, plan), reference, few, method="lsq")
+    assert few.n_tokens < widest
+    assert any("fewer tokens than inputs" in n for n in report.notes)
+    many = _blocks(n=8, seq=widest)
+    report = recover(_pruned(reference, plan), reference, many, method="lsq")
+    assert many.n_tokens >= widest and not any("fewer tokens" in n for n in report.notes)

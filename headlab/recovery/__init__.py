@@ -96,6 +96,13 @@ def recover(
         log.warning(notes[-1])
     make_fit, make_down = _make_fit(method, ridge)
     originals = refitted(pruned)  # the walk replaces these; setting them back undoes it
+    widest = max(getattr(module, "in_features", 0) for _, _, module in originals)
+    if method == "lsq" and blocks.n_tokens < widest:
+        notes.append(f"lsq fitted projections of up to {widest} inputs from "
+                     f"{blocks.n_tokens} scoring tokens: fewer tokens than inputs leave the "
+                     "fit to its ridge, and it may measure worse than no repair on held-out "
+                     "text; give more tokens (--max-tokens)")
+        log.warning(notes[-1])
     layers = repair(pruned, reference, blocks, make_fit=make_fit,
                     batch_size=batch_size, method=method, residual=residual,
                     make_down=make_down if refit_mlp else None)
