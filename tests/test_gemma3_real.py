@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 import headlab
 from headlab.errors import CorruptFileError
 from headlab.models.loading import bundled_path
+from tests.test_llama import _left_padded
 
 LOGITS = {"rtol": 0.0, "atol": 1e-4}  # float32 logits against transformers
 _TEXTS = [
@@ -41,17 +42,6 @@ def hf_gemma():
     path = bundled_path("gemma3-270m")
     return AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-
-
-def _left_padded(tokenizer, texts):
-    rows = [tokenizer(t)["input_ids"] for t in texts]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 @pytest.mark.real
