@@ -18,7 +18,7 @@ def scoring_and_heldout(model: HeadModel, spec: str | None, *, seq_len: int, max
     the bundled text) cut into blocks under ``max_tokens``, the blocks split in half."""
     objective = objective_for(model)
     texts = load_texts(spec)
-    if spec == enwiki.SPEC:
+    if texts.documents:
         settings = protocol.Settings(kind=model.kind, seq_len=seq_len, max_tokens=max_tokens,
                                      seed=seed)
         scoring, heldout = build_sets(settings, model.tokenizer, texts, None)

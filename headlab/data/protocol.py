@@ -15,7 +15,7 @@ Shape notation: N windows, L window length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,10 +56,9 @@ def split_documents(data: TextData, *, heldout: float, seed: int) -> tuple[TextD
 
 def _subset(data: TextData, index: torch.Tensor) -> TextData:
     rows = index.tolist()
-    return TextData([data.texts[i] for i in rows],
-                    None if data.pairs is None else [data.pairs[i] for i in rows],
-                    None if data.labels is None else [data.labels[i] for i in rows],
-                    data.spec, data.warning, data.prose)
+    return replace(data, texts=[data.texts[i] for i in rows],
+                   pairs=None if data.pairs is None else [data.pairs[i] for i in rows],
+                   labels=None if data.labels is None else [data.labels[i] for i in rows])
 
 
 def _documents(data: TextData) -> list[str]:

@@ -47,6 +47,13 @@ class TextData:
     spec: str = BUNDLED_SPEC
     warning: str | None = None
     prose: bool = False  # running text in paragraphs, which sentence encoders cut up
+    # whole documents (a corpus such as enwiki): one source for calibration and
+    # evaluation is split by document, and causal LMs read them in windows
+    documents: bool = False
+
+
+# the --data names whose texts are whole documents (`TextData.documents`)
+CORPORA = (enwiki.SPEC,)
 
 
 def bundled_text() -> str:
@@ -65,7 +72,8 @@ def load_texts(
         paragraphs = _paragraphs(bundled_text())
         return TextData(paragraphs, spec=BUNDLED_SPEC, warning=BUNDLED_WARNING, prose=True)
     if spec == enwiki.SPEC:
-        return TextData([text for _, text in enwiki.articles()], spec=spec, prose=True)
+        return TextData([text for _, text in enwiki.articles()], spec=spec, prose=True,
+                        documents=True)
     path = Path(spec)
     suffix = path.suffix.lower()
     if suffix in (".txt", ".jsonl", ".json", ".csv", ".tsv"):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from headlab.data import enwiki, protocol
+from headlab.data import protocol
 from headlab.data.blocks import Blocks, split_blocks
-from headlab.data.texts import TextData, load_texts
+from headlab.data.texts import CORPORA, TextData, load_texts
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.models.loading import load
@@ -61,7 +61,7 @@ def papers_protocol(cfg: RunConfig) -> bool:
     random calibration windows or the windows protocol (`headlab.data.protocol`)."""
     return (cfg.calib_data is not None or cfg.eval_data is not None
             or cfg.calib_samples is not None or cfg.eval_protocol != "split"
-            or cfg.data == enwiki.SPEC)
+            or cfg.data in CORPORA)
 
 
 def _protocol_sets(cfg: RunConfig, model: HeadModel, seq_len: int) -> tuple[Blocks, Blocks]:
@@ -94,7 +94,7 @@ def data_separation(cfg: RunConfig) -> str:
     spec = cfg.calib_data or cfg.data
     same = spec == (cfg.eval_data or cfg.data)
     return protocol.describe(same_source=same, heldout=cfg.heldout, seed=cfg.seed,
-                             documents=load_texts(spec) if same and spec == enwiki.SPEC
+                             documents=load_texts(spec) if same and spec in CORPORA
                              else None)
 
 
@@ -151,4 +151,4 @@ def build_sets(settings: protocol.Settings, tokenizer, calibration: TextData,
 
 def _corpus(texts: TextData, objective) -> bool:
     """Whether ``texts`` are a corpus of documents that ``objective`` reads in windows."""
-    return texts.spec == enwiki.SPEC and objective.reads_windows
+    return texts.documents and objective.reads_windows

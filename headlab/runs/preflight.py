@@ -24,7 +24,7 @@ from headlab._util.filecheck import (
 )
 from headlab.data import enwiki
 from headlab.data.protocol import split_documents
-from headlab.data.texts import BUNDLED_SPEC, load_texts
+from headlab.data.texts import BUNDLED_SPEC, TextData, load_texts
 from headlab.errors import DataError, ModelNotFoundError, RunLockedError, UserError
 from headlab.models import registry
 from headlab.models.format import is_headlab
@@ -270,7 +270,7 @@ def _check_spec(cfg: RunConfig, spec: str | None) -> None:
         check_dataset_spec(spec)  # the hub is asked later, once the model is loaded
         return
     texts = load_texts(spec, text_column=cfg.text_column, label_column=cfg.label_column)
-    if spec == enwiki.SPEC:
+    if texts.documents:
         _check_corpus_budget(cfg, texts)
 
 
@@ -280,17 +280,21 @@ def _check_spec(cfg: RunConfig, spec: str | None) -> None:
 _MAX_TOKENS_PER_WORD = 2
 
 
-def _check_corpus_budget(cfg: RunConfig, texts) -> None:
-    """--max-tokens that the corpus's split cannot hold, known from its words before
-    any tokenizer is read (the exact count is checked once the text is tokenised)."""
-    calib, held = split_documents(texts, heldout=cfg.heldout, seed=cfg.seed)
-    for what, part in (("calibration", calib), ("evaluation", held)):
+def _check_corpus_budget(cfg: RunConfig, texts: TextData) -> None:
+    """--max-tokens that a corpus (or, the one source of both sets, each of its halves)
+    cannot hold, known from its words before any tokenizer is read (the exact count is
+    checked once the text is tokenised)."""
+    one_source = (cfg.calib_data or cfg.data) == (cfg.eval_data or cfg.data)
+    parts = (zip(("calibration articles", "evaluation articles"),
+                 split_documents(texts, heldout=cfg.heldout, seed=cfg.seed), strict=True)
+             if one_source else [("articles", texts)])
+    for what, part in parts:
         words = enwiki.n_words(part.texts)
         if cfg.max_tokens > _MAX_TOKENS_PER_WORD * words:
             raise DataError(
-                f"--max-tokens {cfg.max_tokens} is more than the {what} articles of "
-                f"--data enwiki hold ({len(part.texts)} articles, {words} words, fewer than "
-                f"{_MAX_TOKENS_PER_WORD * words} tokens); give a smaller --max-tokens")
+                f"--max-tokens {cfg.max_tokens} is more than the {what} of "
+                f"--data {texts.spec} hold ({len(part.texts)} articles, {words} words, fewer "
+                f"than {_MAX_TOKENS_PER_WORD * words} tokens); give a smaller --max-tokens")
 
 
 def model_size(name: str) -> tuple[int | None, int | None]:
