@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from headlab._util.html import head_map, signed_colour
 from headlab.attention.hooks import capture
 from headlab.data.tokens import token_id
 from headlab.errors import UserError
@@ -89,24 +90,13 @@ class LogitAttribution:
     def _repr_html_(self) -> str:
         """A layers x heads map, red pushes toward the target, blue toward the foil."""
         bound = max((abs(v) for _, _, v in self.top(1)), default=1.0) or 1.0
-        rows = []
-        for layer, row in enumerate(self.heads):
-            cells = []
-            for head, v in enumerate(row):
-                if math.isnan(v):
-                    cells.append('<td style="background:#eee">·</td>')
-                    continue
-                a = min(abs(v) / bound, 1.0)
-                rgb = "200,60,30" if v > 0 else "30,90,200"
-                cells.append(f'<td style="background:rgba({rgb},{a:.2f})" '
-                             f'title="L{layer} H{head}: {v:+.4g}">{v:+.2g}</td>')
-            rows.append(f"<tr><th>L{layer}</th>{''.join(cells)}</tr>")
-        header = "".join(f"<th>H{h}</th>" for h in range(max(len(r) for r in self.heads)))
-        return (f"<div><b>direct logit attribution</b>: logit({html.escape(self.target)}) "
-                f"- logit({html.escape(self.foil)}) = {self.logit_diff:.4g} at position "
-                f"{self.position}; heads sum to {self.total() - sum(self.rest.values()):.4g}"
-                f'<table style="font-size:11px;border-collapse:collapse"><tr><th></th>'
-                f"{header}</tr>{''.join(rows)}</table></div>")
+        return head_map(
+            self.heads, lambda layer, head, v: (signed_colour(v, bound),
+                                                f"L{layer} H{head}: {v:+.4g}", f"{v:+.2g}"),
+            caption=f"<b>direct logit attribution</b>: logit({html.escape(self.target)}) - "
+                    f"logit({html.escape(self.foil)}) = {self.logit_diff:.4g} at position "
+                    f"{self.position}; heads sum to "
+                    f"{self.total() - sum(self.rest.values()):.4g}")
 
 
 @torch.no_grad()

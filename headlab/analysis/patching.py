@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from headlab._util.html import head_map, signed_colour
 from headlab._util.progress import track
 from headlab.attention.hooks import capture, hooks
 from headlab.data.tokens import prompt_ids, token_ids
@@ -106,26 +107,15 @@ class PatchingResult:
                 "corrupted": self.corrupted, "n_pairs": self.n_pairs, "n_boot": self.n_boot}
 
     def _repr_html_(self) -> str:
-        rows = []
-        for layer, row in enumerate(self.denoise):
-            cells = []
-            for head, v in enumerate(row):
-                if math.isnan(v):
-                    cells.append('<td style="background:#eee">·</td>')
-                    continue
-                lo, hi = self.denoise_ci[layer][head]
-                a = min(abs(v), 1.0)
-                rgb = "200,60,30" if v > 0 else "30,90,200"
-                cells.append(f'<td style="background:rgba({rgb},{a:.2f})" title="L{layer} '
-                             f'H{head}: {v:+.3f} [{lo:+.3f}, {hi:+.3f}], noising '
-                             f'{self.noise[layer][head]:+.3f}">{v:+.2f}</td>')
-            rows.append(f"<tr><th>L{layer}</th>{''.join(cells)}</tr>")
-        header = "".join(f"<th>H{h}</th>" for h in range(max(len(r) for r in self.denoise)))
-        return (f"<div><b>activation patching</b> at {html.escape(self.site)}, "
-                f"{self.n_pairs} pairs: metric clean {self.clean:.4g}, corrupted "
-                f"{self.corrupted:.4g}; denoising effect per head (hover: 95% interval, "
-                f"noising)<table style=\"font-size:11px;border-collapse:collapse\">"
-                f"<tr><th></th>{header}</tr>{''.join(rows)}</table></div>")
+        def cell(layer: int, head: int, v: float) -> tuple[str, str, str]:
+            lo, hi = self.denoise_ci[layer][head]
+            return (signed_colour(v, 1.0), f"L{layer} H{head}: {v:+.3f} [{lo:+.3f}, "
+                    f"{hi:+.3f}], noising {self.noise[layer][head]:+.3f}", f"{v:+.2f}")
+
+        return head_map(self.denoise, cell, caption=(
+            f"<b>activation patching</b> at {html.escape(self.site)}, {self.n_pairs} pairs: "
+            f"metric clean {self.clean:.4g}, corrupted {self.corrupted:.4g}; denoising effect "
+            "per head (hover: 95% interval, noising)"))
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from headlab._util.html import head_map
 from headlab._util.io import atomic_write_json, atomic_write_text
 from headlab.models.base import HeadModel
 
@@ -80,23 +81,15 @@ class HeadScores:
         finite = t[~t.isnan()]
         lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
         span = (hi - lo) or 1.0
-        cells = []
-        for layer, row in enumerate(self.scores):
-            tds = []
-            for head, v in enumerate(row):
-                if math.isnan(v):
-                    tds.append('<td style="background:#eee" title="removed">·</td>')
-                    continue
-                a = (v - lo) / span
-                color = f"rgba(200,60,30,{0.08 + 0.92 * a:.2f})"
-                tds.append(f'<td style="background:{color}" title="L{layer} H{head}: {v:.4g}">'
-                           f"{v:.2g}</td>")  # unnormalised loss estimates are small
-            cells.append(f"<tr><th>L{layer}</th>{''.join(tds)}</tr>")
-        heads = max(len(r) for r in self.scores)
-        header = "".join(f"<th>H{h}</th>" for h in range(heads))
-        return (f"<div><b>{self.method}</b> importance on {self.data} ({self.n_tokens} tokens)"
-                f'<table style="font-size:11px;border-collapse:collapse"><tr><th></th>{header}'
-                f"</tr>{''.join(cells)}</table></div>")
+
+        def cell(layer: int, head: int, v: float) -> tuple[str, str, str]:
+            # unnormalised loss estimates are small: two significant digits
+            return (f"rgba(200,60,30,{0.08 + 0.92 * (v - lo) / span:.2f})",
+                    f"L{layer} H{head}: {v:.4g}", f"{v:.2g}")
+
+        return head_map(self.scores, cell, absent="removed",
+                        caption=f"<b>{self.method}</b> importance on {self.data} "
+                                f"({self.n_tokens} tokens)")
 
 
 def active_heads(model: HeadModel) -> list[torch.Tensor]:
