@@ -2,7 +2,7 @@
 
 gensim 4.4 carries ``test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-
 shortened.bz2``, an April-2016 dump shortened to 206 pages: once redirects, disambiguation
-and project pages are left out, about a hundred articles and some 480k words of running
+and project pages are left out, 101 articles and some 460k words of running
 text (WikiText-2's scale and genre; CC BY-SA). Each article becomes one document: wiki
 markup stripped by gensim's ``filter_wiki``, bold and italic quotes removed, headings kept
 as their own lines, and the trailing reference sections (References, External links,
