@@ -103,6 +103,20 @@ class ScheduleResult:
                 scoring[-1].append(k)
         return RemovalScores(scores, scoring, len(steps))
 
+    def plan_at(self, n_keep: int, **select_kw) -> PrunePlan:
+        """The plan that the same query-head schedule, stopped at ``n_keep`` heads, would
+        have chosen: its steps up to there are this run's, and its last step chooses on
+        the last scoring that saw more than ``n_keep`` heads. So one run to the smallest
+        size gives every larger size's plan (``select_kw`` as the run's `select`)."""
+        if n_keep < self.plan.n_kept:
+            raise UserError(f"this schedule went down to {self.plan.n_kept} heads; it holds "
+                            f"no plan for fewer ({n_keep})")
+        steps = self.step_scores or [self.scores]
+        seen = [s for s in steps if int((~s.tensor().isnan()).sum()) > n_keep]
+        if not seen:  # as many heads as the first scoring saw: nothing removed
+            return select(steps[0], n_keep, **select_kw)
+        return select(seen[-1], n_keep, **select_kw)
+
 
 def prune_to_target(
     model: HeadModel,

@@ -67,7 +67,28 @@ def table(d: dict) -> str:
         f = d["figures"][i["figure"]]
         rows.append(f"| {_cell(i['what'])} | {_num(f['median'])} | "
                     f"{_num(f['q1'])}–{_num(f['q3'])} | — | — |")
-    return "\n".join(rows)
+    return "\n".join(rows + _tradeoff(d.get("checks", {}).get("tradeoff") or []))
+
+
+def _kib(n: float | None) -> str:
+    return "no cache" if n is None else f"{n / 1024:.1f} KiB"
+
+
+def _tradeoff(lines: list[dict]) -> list[str]:
+    """The recovery benchmark's trade-off table: per model and size, what is kept, what
+    it costs in quality (no repair, then the repair) and what it saves."""
+    if not lines:
+        return []
+    rows = ["", "| model | keep | query heads | parameters | KV cache / token | quality, "
+            "no repair | quality, repaired | latency (batch 1) |", "|---" * 8 + "|"]
+    for r in lines:
+        latency = ("n/a" if r["latency_ms"] is None
+                   else f"{r['latency_ms']:.0f} ms at {r['latency_tokens']} tokens")
+        rows.append(f"| {r['model']} | {r['keep']:g} | {r['heads']} | "
+                    f"{r['params'] / 1e6:.1f} M | {_kib(r['kv_bytes_per_token'])} | "
+                    f"{r['metric']} "
+                    f"{_num(r['pruned'])} | {_num(r['repaired'])} | {latency} |")
+    return rows
 
 
 def render(paths: list[Path]) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _scripts import script
 
 from headlab import bench
 from headlab.bench import (
@@ -141,6 +142,21 @@ def test_each_benchmark_has_its_targets(tiny_run):
     assert figures["quality"] == {"minilm-l6.michel_unnormalised_over_random"}
     assert figures["recovery"] == {"minilm-l6.kept_over_none", "minilm-l6.recover_over_michel",
                                    "minilm-l6.keep_1_max_abs_diff"}
+
+
+def test_recovery_tradeoff_table(tiny_run):
+    """One row per size, the unpruned model's first: heads and parameters fall with each
+    size, each row's quality and latency are measured, and the page renders them."""
+    out, results = tiny_run
+    rows = {r.name: r for r in results}["recovery"].checks["tradeoff"]
+    assert [r["keep"] for r in rows] == [1.0, 0.8, 0.6, 0.4]
+    assert [r["heads"] for r in rows] == [72, 58, 44, 29]  # MiniLM: 6 layers x 12 heads
+    assert all(a["params"] > b["params"] for a, b in zip(rows, rows[1:], strict=False))
+    assert rows[0]["pruned"] == rows[0]["repaired"]  # nothing to repair
+    assert all(r["latency_ms"] > 0 and r["kv_bytes_per_token"] is None for r in rows)
+    assert rows[0]["latency_ms"] == rows[1]["latency_before_ms"]
+    page = script("bench_tables").render(sorted(out.glob("*.json")))
+    assert "| minilm-l6 | 0.6 | 44 | " in page and "no cache" in page
 
 
 def test_references_compute_the_same_function(tiny_run):

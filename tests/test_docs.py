@@ -18,7 +18,6 @@ scripts/bench_tables.py writes from the committed reports/bench/*.json.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _scripts import script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -185,38 +185,30 @@ def test_mkdocs_nav_lists_every_page():
     assert sorted(files(nav)) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))
 
 
-def _bench_tables():
-    spec = importlib.util.spec_from_file_location("bench_tables",
-                                                  ROOT / "scripts" / "bench_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_benchmark_tables_are_the_committed_jsons():
     """docs/benchmarks.md's tables are what the script writes from reports/bench/*.json;
     after a bench run, ``python scripts/bench_tables.py`` rewrites them."""
-    script = _bench_tables()
+    tables = script("bench_tables")
     jsons = sorted((ROOT / "reports" / "bench").glob("*.json"))
     assert jsons, "no reports/bench/*.json committed"
     page = (ROOT / "docs" / "benchmarks.md").read_text()
-    assert script.current_block(page) == script.render(jsons), (
+    assert tables.current_block(page) == tables.render(jsons), (
         "docs/benchmarks.md's tables are stale: run python scripts/bench_tables.py")
 
 
 def test_bench_tables_script_rewrites_and_checks(tmp_path):
-    script = _bench_tables()
+    tables = script("bench_tables")
     page = tmp_path / "benchmarks.md"
-    start, end = script.MARKERS
+    start, end = tables.MARKERS
     page.write_text(f"before\n{start}\nold\n{end}\nafter\n")
     jsons = sorted((ROOT / "reports" / "bench").glob("*.json"))
-    assert script.main([str(page), *map(str, jsons)]) == 0
+    assert tables.main([str(page), *map(str, jsons)]) == 0
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("\nafter\n")
-    assert script.current_block(text) == script.render(jsons)
-    assert script.main([str(page), "--check", *map(str, jsons)]) == 0
+    assert tables.current_block(text) == tables.render(jsons)
+    assert tables.main([str(page), "--check", *map(str, jsons)]) == 0
     page.write_text(text.replace("| yes |", "| no |", 1).replace("| **no** |", "| x |", 1))
-    assert script.main([str(page), "--check", *map(str, jsons)]) == 1
+    assert tables.main([str(page), "--check", *map(str, jsons)]) == 1
 
 
 def test_shell_quoting_in_blocks_is_bash():

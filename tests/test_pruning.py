@@ -320,6 +320,24 @@ def test_one_shot_schedule_gives_nested_plans(tiny_gpt2, tiny_gpt2_dir, data):
                  rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("schedule", ["iterative", "one-shot"])
+def test_plan_at_is_the_shorter_runs_plan(tiny_gpt2, data, schedule):
+    """One run to 4 heads holds the plan a run stopped at 10, 9, 7 or 5 would choose
+    (steps of 3: a stop between two steps and one on a step), and 12 keeps every head."""
+    scoring, heldout = data
+    long = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=4, step=0.25,
+                           schedule=schedule, batch_size=4)
+    assert _pruned_set(long.plan_at(4)) == _pruned_set(long.plan)
+    for n in (10, 9, 7, 5):
+        short = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=n, step=0.25,
+                                schedule=schedule, batch_size=4)
+        at = long.plan_at(n)
+        assert at.n_kept == n and _pruned_set(at) == _pruned_set(short.plan), n
+    assert long.plan_at(12).n_pruned == 0
+    with pytest.raises(UserError, match="went down to 4 heads; it holds no plan for fewer"):
+        long.plan_at(3)
+
+
 def test_schedule_arguments_are_checked(tiny_gpt2, data):
     scoring, heldout = data
     with pytest.raises(UserError, match="schedule must be 'iterative' or 'one-shot'"):

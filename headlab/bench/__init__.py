@@ -108,7 +108,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                                 validate=(("minilm-l6", 64, 1024),)),
         "recovery": RecoverySizes(runs=(("smollm2-135m", 64, 1024, ()),
                                         ("minilm-l6", 128, 2048, (("normalize", False),))),
-                                  distill_tokens=4096),
+                                  distill_tokens=4096, latency_length=512),
     },
     # for the tests: seconds, random tiny models only
     "tiny": {
@@ -130,7 +130,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                                       needle_lengths=(64, 128), needle_depths=(0.0, 1.0),
                                       needle_trials=1, headroom_context=64)),
         "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4, validate=()),
-        "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4),
+        "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4,
+                                  latency_length=32, latency_rounds=1),
     },
 }
 

@@ -1,9 +1,13 @@
 """``headlab bench recovery``: how much of what pruning took the default repair gives
-back, on the real bundled models, and what it costs against one michel scoring.
+back, on the real bundled models, and what it costs against one michel scoring; and the
+trade-off table: quality, parameters, key/value cache and latency at each of ``keeps``.
 
-Each model is pruned to ``keep`` by the default iterative michel schedule; the pruned
-model is measured on held-out data as it is (``none``) and after ``method``. The
-quality figure is not a timing; the time ratio is one run of each on the same data."""
+Each model is pruned by the default iterative michel schedule, once, down to the
+smallest of ``keeps``; each size's plan is the one that schedule stopped there would
+choose (`ScheduleResult.plan_at`). Each pruned model is measured on held-out data as it
+is (``none``) and after ``method``; the targets are judged at ``keep``. The quality
+figures are not timings; the time ratio is one run of each on the same data, and the
+latency a median of interleaved rounds against the unpruned model."""
 
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ class RecoverySizes:
         ("smollm2-135m", 128, 8192, ()), ("gemma3-270m", 128, 8192, ()),
         ("minilm-l6", 128, 8192, (("normalize", False),)))
     data: str | None = "enwiki"  # None: the bundled text
-    keep: float = 0.6
+    keep: float = 0.6  # the targets' size; one of ``keeps``
+    keeps: tuple[float, ...] = (0.8, 0.6, 0.4)  # the trade-off table's sizes
     step: float = 0.1
     batch: int = 8
     method: str = "lsq"
@@ -39,82 +44,152 @@ class RecoverySizes:
     distill_tokens: int | None = 65536
     distill_target: float = 0.1
     distill_seconds: float = 600.0
+    # the trade-off table's latency: one forward of batch 1 at this many tokens (capped by
+    # the model's positions), the median of ``latency_rounds`` interleaved rounds
+    latency_length: int = 2048
+    latency_rounds: int = 3
+
+    def __post_init__(self) -> None:
+        if self.keep not in self.keeps:
+            raise ValueError(f"keep {self.keep} must be one of keeps {self.keeps}")
 
 
 def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None) -> BenchResult:
-    """Loss kept after ``sizes.method`` / loss without repair, its time / michel's, and
-    that the repair of an unpruned model changes no output."""
-    import torch
-
+    """Loss kept after ``sizes.method`` / loss without repair, its time / michel's, that
+    the repair of an unpruned model changes no output, and the trade-off table
+    (``checks["tradeoff"]``: one row per model and size, the unpruned model's first)."""
     import headlab
-    from headlab.pruning import copy_model, prune
     from headlab.schedule import prune_to_target
     from headlab.selection import heads_to_keep
 
     res = BenchResult.of_sizes("recovery", sizes)
     res.method = {
         "data": f"{describe(sizes.data)}; recovery fits on the scoring part only",
-        "pruning": f"headlab.prune_to_target(method='michel', keep={sizes.keep}, "
-                   f"step={sizes.step}, iterative), then headlab.prune",
+        "pruning": f"headlab.prune_to_target(method='michel', keep={min(sizes.keeps)}, "
+                   f"step={sizes.step}, iterative); each of keeps {sizes.keeps} is the plan "
+                   "that schedule stopped there chooses (ScheduleResult.plan_at), then "
+                   "headlab.prune",
         "kept": f"held-out loss kept after headlab.recover(method='{sizes.method}') / "
                 "held-out loss with no repair (perplexity increase or fidelity decrease)",
         "time": f"seconds of headlab.recover(method='{sizes.method}') / seconds of one "
                 "headlab.score(method='michel') on the same scoring blocks",
+        "tradeoff": "per model and keep: query heads, parameters, key/value cache bytes per "
+                    f"token, held-out quality with no repair and after {sizes.method}, and "
+                    f"the median forward time (batch 1, min({sizes.latency_length}, "
+                    f"positions) tokens, {sizes.latency_rounds} rounds interleaved with the "
+                    f"unpruned model's) of the model after {sizes.method}",
     }
+    res.checks["tradeoff"] = []
     for name, seq_len, max_tokens, options in sizes.runs:
         model = headlab.load(name, device=device)
         scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
                                                max_tokens=max_tokens, batch_size=sizes.batch)
         score_kw = dict(options)
         before = headlab.evaluate(model, heldout, batch_size=sizes.batch)
-        n_keep = heads_to_keep(model.n_layers * model.n_original_heads, keep=sizes.keep)
-        plan = prune_to_target(model, scoring, heldout, n_keep=n_keep, step=sizes.step,
-                               batch_size=sizes.batch, score_kwargs=score_kw).plan
+        total = model.n_layers * model.n_original_heads
+        n_keeps = {keep: heads_to_keep(total, keep=keep) for keep in sizes.keeps}
+        schedule = prune_to_target(model, scoring, heldout, n_keep=min(n_keeps.values()),
+                                   step=sizes.step, batch_size=sizes.batch,
+                                   score_kwargs=score_kw)
         t0 = time.perf_counter()
         headlab.score(model, scoring, batch_size=sizes.batch, **score_kw)
         t_michel = time.perf_counter() - t0
-
-        unpruned = copy_model(model)  # keep 1.0: the repair must change nothing
-        batch = next(heldout.batches(sizes.batch))
-        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        with torch.no_grad():
-            ref_out = _output(model(ids, attention_mask=mask))
-            headlab.recover(unpruned, model, scoring, method=sizes.method,
-                            batch_size=sizes.batch)
-            same = float((_output(unpruned(ids, attention_mask=mask)) - ref_out).abs().max())
-        del unpruned
-
-        pruned = prune(copy_model(model), plan)
-        q_pruned = headlab.evaluate(pruned, heldout, batch_size=sizes.batch)
-        t0 = time.perf_counter()
-        report = headlab.recover(pruned, model, scoring, method=sizes.method,
-                                 batch_size=sizes.batch)
-        t_recover = time.perf_counter() - t0
-        q_after = headlab.evaluate(pruned, heldout, batch_size=sizes.batch)
-        sign = -1 if before.higher_is_better else 1
-        lost_none = sign * (q_pruned.value - before.value)
-        lost_after = sign * (q_after.value - before.value)
+        _repair_of_unpruned(res, name, model, scoring, heldout, sizes, device)
         metric = before.metric
-        res.checks[f"{name}.keep_1_max_abs_diff"] = same
-        res.checks[f"{name}.layers"] = [e.to_json() for e in report.layers]
         res.add(f"{name}.{metric}_before", [before.value], metric)
-        res.add(f"{name}.{metric}_pruned", [q_pruned.value], metric)
-        res.add(f"{name}.{metric}_recovered", [q_after.value], metric)
-        res.add(f"{name}.kept_over_none", [lost_after / lost_none], "x")
-        res.add(f"{name}.recover_over_michel", [t_recover / t_michel], "x")
-        res.add(f"{name}.keep_1_max_abs_diff", [same], "abs")
-        what = (f"{name} {metric} lost at keep {sizes.keep} after {sizes.method} / without "
-                f"repair (S={seq_len}, {max_tokens} tokens)")
-        res.add_target(f"{name}.kept_over_none", target=sizes.targets.get(name, 0.5),
-                       op="<=", what=what)
-        res.add_target(f"{name}.recover_over_michel", target=1.0, op="<=",
-                       what=f"{name} {sizes.method} time / michel scoring time")
-        res.add_target(f"{name}.keep_1_max_abs_diff", target=1e-6, op="<=",
-                       what=f"{name} {sizes.method} on the unpruned model: max output change")
-        if sizes.distill_tokens and model.kind == "causal-lm":
-            _distill_after(res, name, pruned, model, heldout, sizes, seq_len, before,
-                           lost_none, sign)
+        rows = [_row(name, 1.0, model, before.value, before.value, None, sizes)]
+        for keep in sorted(sizes.keeps, reverse=True):
+            measured = _prune_and_repair(model, schedule.plan_at(n_keeps[keep]), scoring,
+                                         heldout, sizes)
+            rows.append(_row(name, keep, measured.model, measured.pruned, measured.repaired,
+                             measured.latency, sizes))
+            if keep != sizes.keep:
+                continue
+            sign = -1 if before.higher_is_better else 1
+            lost_none = sign * (measured.pruned - before.value)
+            lost_after = sign * (measured.repaired - before.value)
+            res.checks[f"{name}.layers"] = [e.to_json() for e in measured.report.layers]
+            res.add(f"{name}.{metric}_pruned", [measured.pruned], metric)
+            res.add(f"{name}.{metric}_recovered", [measured.repaired], metric)
+            res.add(f"{name}.kept_over_none", [lost_after / lost_none], "x")
+            res.add(f"{name}.recover_over_michel", [measured.seconds / t_michel], "x")
+            what = (f"{name} {metric} lost at keep {keep} after {sizes.method} / without "
+                    f"repair (S={seq_len}, {max_tokens} tokens)")
+            res.add_target(f"{name}.kept_over_none", target=sizes.targets.get(name, 0.5),
+                           op="<=", what=what)
+            res.add_target(f"{name}.recover_over_michel", target=1.0, op="<=",
+                           what=f"{name} {sizes.method} time / michel scoring time")
+            if sizes.distill_tokens and model.kind == "causal-lm":
+                _distill_after(res, name, measured.model, model, heldout, sizes, seq_len,
+                               before, lost_none, sign)
+        rows[0]["latency_ms"] = rows[1]["latency_before_ms"]
+        res.checks["tradeoff"] += [{**row, "metric": metric} for row in rows]
     return res
+
+
+@dataclass
+class _Measured:
+    """A pruned and repaired copy, its held-out quality before and after the repair,
+    the repair's report and seconds, and its latency against the unpruned model's."""
+
+    model: object
+    pruned: float
+    repaired: float
+    report: object
+    seconds: float
+    latency: tuple[float, float]  # (unpruned, this) ms
+
+
+def _prune_and_repair(model, plan, scoring, heldout, sizes: RecoverySizes) -> _Measured:
+    import headlab
+    from headlab.pruning import copy_model, prune
+    from headlab.runs.stages import compare_latency
+
+    pruned = prune(copy_model(model), plan)
+    q_pruned = headlab.evaluate(pruned, heldout, batch_size=sizes.batch).value
+    t0 = time.perf_counter()
+    report = headlab.recover(pruned, model, scoring, method=sizes.method,
+                             batch_size=sizes.batch)
+    seconds = time.perf_counter() - t0
+    q_after = headlab.evaluate(pruned, heldout, batch_size=sizes.batch).value
+    latency = compare_latency(model, pruned, 1, sizes.latency_length,
+                              rounds=sizes.latency_rounds)
+    return _Measured(pruned, q_pruned, q_after, report, seconds, latency)
+
+
+def _row(name: str, keep: float, model, pruned: float, repaired: float,
+         latency: tuple[float, float] | None, sizes: RecoverySizes) -> dict:
+    """One line of the trade-off table (the unpruned model's latency is filled from its
+    first comparison)."""
+    return {"model": name, "keep": keep, "heads": sum(model.heads_per_layer),
+            "params": model.num_parameters(),
+            "kv_bytes_per_token": (model.kv_cache_bytes_per_token()
+                                   if model.kind == "causal-lm" else None),  # no cache
+            "pruned": pruned, "repaired": repaired,
+            "latency_ms": None if latency is None else latency[1],
+            "latency_before_ms": None if latency is None else latency[0],
+            "latency_tokens": min(sizes.latency_length, model.max_positions)}
+
+
+def _repair_of_unpruned(res: BenchResult, name: str, model, scoring, heldout,
+                        sizes: RecoverySizes, device: str) -> None:
+    """The repair of a copy with every head kept must change no output."""
+    import torch
+
+    import headlab
+    from headlab.pruning import copy_model
+
+    unpruned = copy_model(model)
+    batch = next(heldout.batches(sizes.batch))
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    with torch.no_grad():
+        ref_out = _output(model(ids, attention_mask=mask))
+        headlab.recover(unpruned, model, scoring, method=sizes.method, batch_size=sizes.batch)
+        same = float((_output(unpruned(ids, attention_mask=mask)) - ref_out).abs().max())
+    res.checks[f"{name}.keep_1_max_abs_diff"] = same
+    res.add(f"{name}.keep_1_max_abs_diff", [same], "abs")
+    res.add_target(f"{name}.keep_1_max_abs_diff", target=1e-6, op="<=",
+                   what=f"{name} {sizes.method} on the unpruned model: max output change")
 
 
 def _distill_after(res: BenchResult, name: str, pruned, model, heldout, sizes: RecoverySizes,
