@@ -19,8 +19,8 @@ NEEDLE = opt.Opt("needle", Annotated[bool, typer.Option(
 LIST_TASKS = opt.Opt("list_tasks", Annotated[bool, typer.Option(
     help="List the lm-eval task names (with --include-path's) and exit.")], False)
 EvalModelOpt = Annotated[str | None, typer.Option(
-    "--model", "-m", help="Bundled name (smollm2-135m, minilm-l6), local directory, .gguf "
-    "file or hub id (not needed with --list-tasks).")]
+    "--model", "-m", help=opt.BUNDLED_HELP + ", local directory, .gguf file or hub id "
+    "(not needed with --list-tasks).")]
 _EVAL_PROTOCOL = tuple(o for o in opt.PROTOCOL if o.name not in ("calib_samples",
                                                                   "calib_seq_len"))
 

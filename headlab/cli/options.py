@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from headlab.detectors import DECODER_KINDS
+from headlab.models.loading import BUNDLED
 from headlab.runs.config import (
     DEVICES,
     DTYPES,
@@ -46,11 +47,12 @@ DEFAULT_RECOVERY, DEFAULT_RECOVER_PARAMS = Recovery(D["recover"]), RecoverParams
     D["recover_params"])
 
 
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Bundled name (smollm2-135m, "
-                                       "minilm-l6), local directory, .gguf file or hub id.")]
+BUNDLED_HELP = f"Bundled name ({', '.join(BUNDLED)})"
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help=BUNDLED_HELP + ", local "
+                                       "directory, .gguf file or hub id.")]
 RunModelOpt = Annotated[str | None, typer.Option(
-    "--model", "-m", help="Bundled name (smollm2-135m, minilm-l6), local directory, .gguf "
-    "file or hub id (not needed with --resume).")]
+    "--model", "-m", help=BUNDLED_HELP + ", local directory, .gguf file or hub id (not "
+    "needed with --resume).")]
 ResumeOpt = Annotated[Path | None, typer.Option(
     help="Continue an interrupted run directory with its own configuration.")]
 DataOpt = Annotated[str | None, typer.Option(
