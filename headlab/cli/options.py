@@ -86,9 +86,11 @@ MinmaxOpt = Annotated[bool, typer.Option(
 PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
 ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
 GateStepsOpt = Annotated[int, typer.Option(
-    help="gates: AdamW steps training the head gates (one batch each).")]
+    help="gates: AdamW steps training the head gates (one batch each; one passkey "
+         "prompt each for --demote-by gates).")]
 GateLrOpt = Annotated[float, typer.Option(
-    help="gates: learning rate of the gates and of the Lagrangian's multipliers.")]
+    help="gates: learning rate of the gates and of the Lagrangian's multipliers (and of "
+         "--demote-by gates).")]
 GateRegOpt = Annotated[float, typer.Option(
     help="--demote-by gates: weight of the L1 penalty that pulls the gates toward "
          "streaming (DuoAttention's 0.05).")]
