@@ -425,6 +425,12 @@ CASES = [
     ("validate -m {model} --n-boot 0", "'--n-boot'"),
     ("prune -m {encoder} --keep 0.5 --unit kv-group --demote --out {out}",
      "--demote keeps the first and the last positions of a causal model's past"),
+    ("prune -m {encoder} --unit kv-group --kv-keep 0.5 --demote --demote-by gates "
+     "--out {out}", "--demote keeps the first and the last positions of a causal model's past"),
+    ("prune -m {model} --unit kv-group --kv-keep 0.5 --demote-by gates --out {out}",
+     "--demote-by chooses the groups --demote demotes: add --demote"),
+    ("prune -m {model} --unit kv-group --kv-keep 0.5 --demote --demote-by gates --gate-reg -1 "
+     "--out {out}", "--gate-reg must be a finite weight >= 0"),
     ("prune -m {encoder} --keep 0.5 --tasks needle --out {out}",
      "--tasks needle asks a causal language model"),
     ("eval -m {encoder} --tasks needle", "--tasks needle asks a causal language model"),

@@ -17,9 +17,9 @@ from typing import Annotated, Any
 
 import typer
 
-from headlab.detectors import DECODER_KINDS
 from headlab.models.loading import BUNDLED
 from headlab.runs.config import (
+    DEMOTE_BY,
     DEVICES,
     DTYPES,
     METHODS,
@@ -88,9 +88,14 @@ MinmaxOpt = Annotated[bool, typer.Option(
 PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
 ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
 GateStepsOpt = Annotated[int, typer.Option(
-    help="gates: AdamW steps training the head gates (one batch each).")]
+    help="gates: AdamW steps training the head gates (one batch each; one passkey "
+         "prompt each for --demote-by gates).")]
 GateLrOpt = Annotated[float, typer.Option(
-    help="gates: learning rate of the gates and of the Lagrangian's multipliers.")]
+    help="gates: learning rate of the gates and of the Lagrangian's multipliers (and of "
+         "--demote-by gates).")]
+GateRegOpt = Annotated[float, typer.Option(
+    help="--demote-by gates: weight of the L1 penalty that pulls the gates toward "
+         "streaming (DuoAttention's 0.05).")]
 
 Unit = StrEnum("Unit", [(m, m) for m in UNITS])
 GroupScore = StrEnum("GroupScore", [(m, m) for m in GROUP_SCORES])
@@ -108,11 +113,13 @@ DemoteOpt = Annotated[bool, typer.Option(
          "those in their key/value cache.")]
 SinksOpt = Annotated[int, typer.Option(help="--demote: attention-sink positions kept.")]
 WindowOpt = Annotated[int, typer.Option(help="--demote: recent positions kept (>= 1).")]
-DemoteBy = StrEnum("DemoteBy", [(k, k) for k in DECODER_KINDS])
+DemoteBy = StrEnum("DemoteBy", [(k, k) for k in DEMOTE_BY])
 DemoteByOpt = Annotated[DemoteBy | None, typer.Option(
     help="--demote: choose the demoted groups by a head-type detector instead of --method: "
          "the groups scoring highest (--group-score of their query heads) keep their full "
-         "cache, the rest are demoted; retrieval finds DuoAttention's retrieval heads.")]
+         "cache, the rest are demoted; retrieval finds DuoAttention's retrieval heads; "
+         "gates trains DuoAttention's gates (--gate-steps, --gate-lr, --gate-reg) on "
+         "passkey prompts and demotes the groups whose gates end lowest.")]
 # calibration / evaluation the papers' way (headlab.data.protocol), lm-eval tasks
 # (headlab.evaluate.lm_eval)
 Protocol = StrEnum("Protocol", [(m, m) for m in PROTOCOLS])
@@ -262,7 +269,7 @@ KV_CACHE = (
     Opt("unit", UnitOpt, DEFAULT_UNIT), Opt("group_score", GroupScoreOpt, DEFAULT_GROUP_SCORE),
     Opt("kv_keep", KvKeepOpt), Opt("demote", DemoteOpt, False),
     Opt("sinks", SinksOpt, D["sinks"]), Opt("window", WindowOpt, D["window"]),
-    Opt("demote_by", DemoteByOpt))
+    Opt("demote_by", DemoteByOpt), Opt("gate_reg", GateRegOpt, D["gate_reg"]))
 PROTOCOL = (
     Opt("calib_data", CalibDataOpt), Opt("eval_data", EvalDataOpt),
     Opt("calib_samples", CalibSamplesOpt), Opt("calib_seq_len", CalibSeqLenOpt),

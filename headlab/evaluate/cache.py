@@ -50,6 +50,8 @@ class KVCacheReport:
     bytes_per_token_max: tuple[float | None, float | None] = (None, None)
     decode: list[DecodeSpeed] = field(default_factory=list)
     quality_removed: float | None = None  # held-out quality with the demoted groups removed
+    # selection "gates": each layer's DuoAttention gates, one per key/value head
+    alphas: list[list[float]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -82,7 +84,15 @@ class KVCacheReport:
             max_length=d.get("max_length"), bytes_per_token_eval=pair(
                 d.get("bytes_per_token_eval")),
             bytes_per_token_max=pair(d.get("bytes_per_token_max")), decode=decode,
-            quality_removed=_num(d.get("quality_removed")))
+            quality_removed=_num(d.get("quality_removed")), alphas=_rows(d.get("alphas")))
+
+
+def _rows(x: Any) -> list[list[float]] | None:
+    """A list of rows of numbers, or None for anything else."""
+    if not isinstance(x, list) or not all(
+            isinstance(row, list) and all(_num(v) is not None for v in row) for row in x):
+        return None
+    return [[float(v) for v in row] for row in x]
 
 
 def _num(x: Any) -> float | None:

@@ -23,6 +23,8 @@
                 standardised within each layer, averaged over the head's channels
                 (`importance.flap`).
 Scores are returned per original head index; heads already removed or masked are NaN.
+DuoAttention's gates, which choose the key/value groups to demote (`--demote-by gates`)
+rather than the heads to remove, are `importance.duo`.
 """
 
 from __future__ import annotations

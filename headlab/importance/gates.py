@@ -21,6 +21,8 @@ scores: selection keeps the heads (or groups) whose gates are the most open.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -56,6 +58,53 @@ def check_options(steps: int, lr: float) -> None:
         raise UserError(f"--gate-steps must be at least 1 training step, got {steps}")
     if not lr > 0 or not math.isfinite(lr):
         raise UserError(f"--gate-lr must be a positive learning rate, got {lr}")
+
+
+@contextmanager
+def frozen(model: HeadModel) -> Iterator[None]:
+    """``model`` in eval mode with every weight frozen, for training gates beside it;
+    afterwards as it was, with no gate override left on its attentions."""
+    was_training = model.training
+    model.eval()
+    requires = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for a in model.attentions:
+            a.gate_override = None
+        for p, r in zip(model.parameters(), requires, strict=True):
+            p.requires_grad_(r)
+        model.train(was_training)
+
+
+def run_steps(steps: int, start: int, step: Callable[[int], None], *, description: str,
+              status: Callable[[], str], checkpoint: Checkpoint | None,
+              save: Callable[[int], None]) -> None:
+    """Call ``step(i)`` for i = ``start`` .. ``steps`` - 1 (the steps before ``start`` were
+    done before an interruption) under a progress bar showing ``status()``; with a
+    ``checkpoint``, ``save(steps done)`` every ``checkpoint.every`` steps and when
+    interrupted, so that a resumed run continues exactly."""
+    done = start
+    try:
+        for i in track(range(steps), total=steps, description=description, status=status):
+            if i < start:
+                continue
+            step(i)
+            done = i + 1
+            if checkpoint is not None and done % checkpoint.every == 0:
+                save(done)
+    except KeyboardInterrupt:
+        if checkpoint is not None and done > start:
+            save(done)
+        raise
+
+
+def mean_over_ranks(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient averaged over the ranks of torchrun data parallel (itself alone)."""
+    world = distributed.world_size() if distributed.data_parallel() else 1
+    return distributed.all_reduce_sum(grad) / world
 
 
 def _units(model: HeadModel, by_group: bool) -> tuple[list[torch.Tensor], int]:
@@ -113,74 +162,59 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
             lambdas.copy_(saved["lambdas"])
         gate_opt.load_state_dict(saved["gate_opt"])
         lambda_opt.load_state_dict(saved["lambda_opt"])
-    done = start
     status = {"loss": math.nan, "open": float(p_open(log_alpha.detach()).sum())}
 
-    def save() -> None:
-        if checkpoint is not None and done > start:
-            checkpoint.put(key, {"step": done, "n_tokens": n_tokens,
-                                 "log_alpha": log_alpha.detach().clone(),
-                                 "lambdas": lambdas.detach().clone(),
-                                 "gate_opt": gate_opt.state_dict(),
-                                 "lambda_opt": lambda_opt.state_dict()})
+    def save(done: int) -> None:
+        checkpoint.put(key, {"step": done, "n_tokens": n_tokens,
+                             "log_alpha": log_alpha.detach().clone(),
+                             "lambdas": lambdas.detach().clone(),
+                             "gate_opt": gate_opt.state_dict(),
+                             "lambda_opt": lambda_opt.state_dict()})
 
-    was_training = model.training
-    model.eval()
-    requires = [p.requires_grad for p in model.parameters()]
-    for p in model.parameters():
-        p.requires_grad_(False)
     warmup = max(1, steps // 2)
-    try:
-        for step in track(range(steps), total=steps, description="training head gates",
-                          status=lambda: f"loss {status['loss']:.4f} open "
-                                         f"{status['open']:.1f}/{target}"):
-            if step < start or not batches:  # done before the interruption
-                continue
-            batch = batches[step % len(batches)]
-            B = batch["input_ids"].shape[0]
-            for a in model.attentions:
-                a.gate_override = None
-            with torch.no_grad():  # the model as it came, every active gate at 1
-                t_out = objective.forward(model, batch)
-            gen = torch.Generator().manual_seed(
-                (seed * 1_000_003 + distributed.data_rank()) * 1_000_003 + step)
-            u = torch.rand(B, n_units, generator=gen).clamp(EPS, 1 - EPS)
-            z = torch.cat([sample(log_alpha, u), torch.zeros(B, 1)], 1)  # (B, U + 1)
-            for a, index in zip(model.attentions, unit_of, strict=True):
-                # masked heads read the zero column: they stay closed
-                a.gate_override = z[:, index.where(index >= 0, n_units)].to(device)  # (B, H)
-            s_out = objective.forward(model, batch)
-            distill = objective.distill_loss(model, s_out, model, t_out, batch, 1.0)
-            goal = n_units - (n_units - target) * min(1.0, (step + 1) / warmup)
-            gap = (p_open(log_alpha).sum() - goal) / n_units
-            lagrangian = lambdas[0] * gap + lambdas[1] * gap.pow(2)
-            gate_opt.zero_grad()
-            lambda_opt.zero_grad()
-            (distill + lagrangian).backward()
-            if not torch.isfinite(distill):
-                raise FloatingPointError("non-finite loss while training gates; see "
-                                         "--dtype float32")
-            world = distributed.world_size() if distributed.data_parallel() else 1
-            log_alpha.grad = distributed.all_reduce_sum(log_alpha.grad) / world
-            gate_opt.step()
-            lambda_opt.step()
-            with torch.no_grad():
-                log_alpha.clamp_(*LOG_ALPHA_BOUNDS)
-            n_tokens += int(batch["attention_mask"].sum())
-            status.update(loss=float(distill.detach()),
-                          open=float(p_open(log_alpha.detach()).sum()))
-            done = step + 1
-            if checkpoint is not None and done % checkpoint.every == 0:
-                save()
-    except KeyboardInterrupt:
-        save()
-        raise
-    finally:
+
+    def train_step(step: int) -> None:
+        nonlocal n_tokens
+        if not batches:
+            return
+        batch = batches[step % len(batches)]
+        B = batch["input_ids"].shape[0]
         for a in model.attentions:
             a.gate_override = None
-        for p, r in zip(model.parameters(), requires, strict=True):
-            p.requires_grad_(r)
-        model.train(was_training)
+        with torch.no_grad():  # the model as it came, every active gate at 1
+            t_out = objective.forward(model, batch)
+        gen = torch.Generator().manual_seed(
+            (seed * 1_000_003 + distributed.data_rank()) * 1_000_003 + step)
+        u = torch.rand(B, n_units, generator=gen).clamp(EPS, 1 - EPS)
+        z = torch.cat([sample(log_alpha, u), torch.zeros(B, 1)], 1)  # (B, U + 1)
+        for a, index in zip(model.attentions, unit_of, strict=True):
+            # masked heads read the zero column: they stay closed
+            a.gate_override = z[:, index.where(index >= 0, n_units)].to(device)  # (B, H)
+        s_out = objective.forward(model, batch)
+        distill = objective.distill_loss(model, s_out, model, t_out, batch, 1.0)
+        goal = n_units - (n_units - target) * min(1.0, (step + 1) / warmup)
+        gap = (p_open(log_alpha).sum() - goal) / n_units
+        lagrangian = lambdas[0] * gap + lambdas[1] * gap.pow(2)
+        gate_opt.zero_grad()
+        lambda_opt.zero_grad()
+        (distill + lagrangian).backward()
+        if not torch.isfinite(distill):
+            raise FloatingPointError("non-finite loss while training gates; see "
+                                     "--dtype float32")
+        log_alpha.grad = mean_over_ranks(log_alpha.grad)
+        gate_opt.step()
+        lambda_opt.step()
+        with torch.no_grad():
+            log_alpha.clamp_(*LOG_ALPHA_BOUNDS)
+        n_tokens += int(batch["attention_mask"].sum())
+        status.update(loss=float(distill.detach()),
+                      open=float(p_open(log_alpha.detach()).sum()))
+
+    with frozen(model):
+        run_steps(steps, start, train_step, description="training head gates",
+                  status=lambda: f"loss {status['loss']:.4f} open "
+                                 f"{status['open']:.1f}/{target}",
+                  checkpoint=checkpoint, save=save)
     (n_tokens,) = distributed.sum_floats(n_tokens)
     alpha = log_alpha.detach().double()
     padded = torch.cat([alpha, torch.tensor([math.nan], dtype=torch.float64)])

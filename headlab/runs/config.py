@@ -20,6 +20,8 @@ from headlab.data.protocol import PROTOCOLS
 from headlab.detectors import DECODER_KINDS
 from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS, TARGETED
+from headlab.importance.duo import DEFAULT_REG as GATE_REG
+from headlab.importance.duo import check_reg as check_gate_reg
 from headlab.importance.gates import DEFAULT_LR as GATE_LR
 from headlab.importance.gates import DEFAULT_STEPS as GATE_STEPS
 from headlab.importance.gates import check_options as check_gate_options
@@ -35,6 +37,9 @@ DEVICES = ("auto", "cpu", "cuda")
 SHARDING = ("fsdp",)  # headlab.parallel.sharding: the weights split across torchrun ranks
 
 COMMANDS = ("prune", "score", "eval")
+# what chooses the groups --demote demotes: a decoder's head-type detector, or
+# DuoAttention's gates trained on passkey prompts (headlab.importance.duo)
+DEMOTE_BY = (*DECODER_KINDS, "gates")
 MAX_RIDGE = 1e6  # times mean(diag X^T X): beyond it the refit is the old weights
 
 
@@ -79,6 +84,7 @@ class RunConfig:
     probes: int = 4  # taylor's curvature probes per batch
     gate_steps: int = GATE_STEPS  # gates: AdamW steps training the head gates
     gate_lr: float = GATE_LR  # gates: their learning rate (and the multipliers')
+    gate_reg: float = GATE_REG  # --demote-by gates: weight of the L1 penalty on the gates
     device: str = "auto"
     dtype: str = "float32"
     shard: str | None = None  # "fsdp": weights sharded across torchrun ranks (FSDP2)
@@ -104,7 +110,7 @@ class RunConfig:
     demote: bool = False  # heads pruning would remove keep a sink + window cache
     sinks: int = 4
     window: int = 256
-    demote_by: str | None = None  # a detector kind choosing the demoted groups; None: method
+    demote_by: str | None = None  # DEMOTE_BY: what chooses the demoted groups; None: method
     decode_steps: int = 8  # timed decoding steps per context (kv-group and demote runs)
 
     @classmethod
@@ -162,6 +168,7 @@ class RunConfig:
             raise UserError(f"--method {self.method} trains toward a number of heads to "
                             "keep: give --keep FRACTION or --prune N")
         check_gate_options(self.gate_steps, self.gate_lr)
+        check_gate_reg(self.gate_reg)
         self._check_kv_cache()
         if self.schedule not in SCHEDULES:
             raise UserError(f"--schedule must be iterative or one-shot, got {self.schedule!r}")
@@ -267,9 +274,9 @@ class RunConfig:
         if self.demote_by is not None and not self.demote:
             raise UserError("--demote-by chooses the groups --demote demotes: add --demote "
                             "(or drop --demote-by)")
-        if self.demote_by is not None and self.demote_by not in DECODER_KINDS:
+        if self.demote_by is not None and self.demote_by not in DEMOTE_BY:
             raise UserError(f"--demote-by: unknown detector {self.demote_by!r}; choose from "
-                            f"{', '.join(DECODER_KINDS)} (demotion works on decoders)")
+                            f"{', '.join(DEMOTE_BY)} (demotion works on decoders)")
         if self.decode_steps < 1:
             raise UserError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.demote and self.export == "hf":

@@ -26,6 +26,7 @@ from headlab.errors import UserError
 from headlab.evaluate.cache import KVCacheReport, measure_decode
 from headlab.evaluate.quality import evaluate
 from headlab.importance import PER_TOKEN_METHODS, HeadScores, score
+from headlab.importance.duo import streaming_gates
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
 from headlab.models.flops import count_flops
@@ -126,6 +127,7 @@ class Stage:
     """The two kinds of run on a loaded model and its prepared data."""
 
     checkpoint: Checkpoint
+    alphas: list[list[float]] | None = None  # --demote-by gates: per layer and group
 
     def __init__(self, cfg: RunConfig, out: Path, model: HeadModel, scoring: Blocks,
                  heldout: Blocks, seq_len: int, placement: Placement | None = None) -> None:
@@ -303,15 +305,25 @@ class Stage:
         """The groups to demote, and the held-out quality with them removed instead: the
         groups the schedule removed (its last masked point), or with --demote-by the
         ``n_keep`` groups the detector scores highest keep their full cache and the rest
-        are demoted (a group's score: --group-score of its query heads')."""
+        are demoted (a group's score: --group-score of its query heads'); with
+        --demote-by gates, the ``n_keep`` groups whose DuoAttention gates end highest,
+        trained on passkey prompts from the scoring split (`importance.duo`)."""
         cfg, model = self.cfg, self.model
         if cfg.demote_by is None:
             return res.plan, res.curve[-1].quality
-        log.info("choosing the demoted groups by the %s detector", cfg.demote_by)
-        scores = detect(model, cfg.demote_by, seq_len=min(128, model.max_positions),
-                        seed=cfg.seed)
+        if cfg.demote_by == "gates":
+            log.info("choosing the demoted groups by DuoAttention's gates")
+            scores = streaming_gates(model, self.scoring, sinks=cfg.sinks, window=cfg.window,
+                                     steps=cfg.gate_steps, lr=cfg.gate_lr, reg=cfg.gate_reg,
+                                     seed=cfg.seed, checkpoint=self.checkpoint)
+            self.alphas = scores.extra["alphas"]
+        else:
+            log.info("choosing the demoted groups by the %s detector", cfg.demote_by)
+            scores = detect(model, cfg.demote_by, seq_len=min(128, model.max_positions),
+                            seed=cfg.seed)
         plan = select_groups(scores, kv_groups(model), n_keep, per_layer=cfg.per_layer,
-                             group_score=cfg.group_score)
+                             # a gate is its group's: each of its heads carries it
+                             group_score="max" if self.alphas else cfg.group_score)
         with trial(model, plan):
             removed = evaluate(model, self.heldout, batch_size=cfg.batch_size)
         return plan, removed.value
@@ -324,7 +336,8 @@ class Stage:
         limit = model.max_positions
         report = KVCacheReport(
             unit=cfg.unit, group_score=cfg.group_score if cfg.unit == "kv-group" else None,
-            selection=f"{cfg.demote_by} detector" if cfg.demote_by else cfg.method,
+            selection="gates" if cfg.demote_by == "gates" else f"{cfg.demote_by} detector"
+            if cfg.demote_by else cfg.method, alphas=self.alphas,
             demoted=demoted_heads(pruned),
             sinks=cfg.sinks if cfg.demote else None,
             window=cfg.window if cfg.demote else None,
