@@ -17,8 +17,10 @@ same process, on the same weights and inputs, timed as `headlab._util.timing` de
                 perplexity at 512, 2048 and 8192 tokens, and needle accuracy at 1024 and
                 2048, before and after kv-group pruning and demotion of half the groups
                 (`headlab.bench.long_context`)
-    quality     held-out quality lost when pruning with michel vs with random scores
-                (3 seeds), on the real bundled SmolLM2 and MiniLM; not a timing
+    quality     held-out quality lost when pruning with michel, taylor, learned gates
+                and FLAP's metric vs with random scores (3 seeds), at keep 0.8, 0.6 and
+                0.4, before and after lsq repair, on the real bundled models; gate
+                training and FLAP's calibration seconds against michel's
     recovery    held-out loss kept after the default repair (lsq) / without it, at keep
                 0.6 on SmolLM2 and MiniLM; its time / michel scoring's
 
@@ -129,7 +131,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                                       scoring_tokens=64, scoring_seq=32,
                                       needle_lengths=(64, 128), needle_depths=(0.0, 1.0),
                                       needle_trials=1, headroom_context=64)),
-        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4, validate=()),
+        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), keeps=(0.8, 0.6), step=0.4,
+                                gate_steps=10,
+                                validate=()),
         "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4),
     },
 }

@@ -275,8 +275,9 @@ def speedup_chart(points: Sequence[dict]) -> Markup:
     left, right, top, bottom = 64.0, 150.0, 16.0, 44.0
     pw, ph = width - left - right, height - top - bottom
 
-    def sx(n: float) -> float:  # a lone length sits in the middle
-        return left + pw * ((math.log2(n) - x_lo) / (x_hi - x_lo) if x_hi > x_lo else 0.5)
+    def sx(n: float) -> float:  # the ends inset from the frame; a lone length in the middle
+        t = (math.log2(n) - x_lo) / (x_hi - x_lo) if x_hi > x_lo else 0.5
+        return left + pw * (0.06 + 0.88 * t)
 
     def sy(v: float) -> float:
         return top + ph * (1 - (v - y_lo) / ((y_hi - y_lo) or 1.0))
