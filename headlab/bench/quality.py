@@ -146,9 +146,9 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
                         seconds[label] = t
                 out.append(headlab.select(once, n_keep))
             else:
-                r = headlab.prune_to_target(model, scoring, heldout, method=name, n_keep=n_keep,
-                                    step=sizes.step, batch_size=sizes.batch, seed=seed,
-                                    score_kwargs=kw)
+                r = headlab.prune_to_target(model, scoring, heldout, method=name,
+                                            n_keep=n_keep, step=sizes.step,
+                                            batch_size=sizes.batch, seed=seed, score_kwargs=kw)
                 if i == judged:
                     scorings[label] = len(r.step_scores)
                 out.append(r.plan)
@@ -168,6 +168,8 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
     quality: dict[tuple[str, str], list[float]] = {}
     for label, name, kw, seed in runs:
         repairs = [None, sizes.recover] + ([FLAP_REPAIR] if name == "flap" else [])
+        log.info("%s at keep %s, pruned and after %s", label,
+                 ", ".join(map(str, sizes.keeps)), ", ".join(r for r in repairs if r))
         chosen = plans(label, name, dict(kw), seed)
         for repair in repairs:
             quality[label, repair or "none"] = [measured(p, repair, label, i)
@@ -179,10 +181,10 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
         return {"method": label, "repair": repair, "quality": q,
                 "lost": [sign * (v - before.value) for v in q]}
 
-    rows = [row(label, repair) for label, repair in quality if not label.startswith("random:")]
     def mean(xs) -> float:
         return sum(xs) / len(xs)
 
+    rows = [row(label, repair) for label, repair in quality if not label.startswith("random:")]
     for repair in ("none", sizes.recover):
         seeds = [row(f"random:{s}", repair) for s in SEEDS]
         samples = [[s["lost"][i] for s in seeds] for i in range(len(n_keeps))]  # keep x seed
