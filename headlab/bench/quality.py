@@ -16,6 +16,7 @@ from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
 from headlab.importance import JOINT, TARGETED
 from headlab.importance.gates import DEFAULT_STEPS
+from headlab.runs.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ QUALITY_VARIANTS = {
     "flap": ("flap", {}, "FLAP's WIFV metric, adaptive across layers"),
 }
 QUALITY_TARGETED = "michel_unnormalised"
-DEFAULT_METHOD = "michel"  # `headlab prune`'s default --method (RunConfig.method)
+DEFAULT_METHOD = RunConfig.method  # `headlab prune`'s default --method
 GATES_BAR = ("michel", "michel_unnormalised", "taylor")  # gates are held against the best
 FLAP_REPAIR = "bias"  # FLAP's own bias compensation, `headlab.recover(method="bias")`
 SEEDS = (0, 1, 2)
@@ -174,7 +175,9 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
         for repair in repairs:
             quality[label, repair or "none"] = [measured(p, repair, label, i)
                                                 for i, p in enumerate(chosen)]
-    _, seconds["michel"] = scored("michel", {}, n_keeps[judged])
+    for method in dict.fromkeys(("michel", DEFAULT_METHOD)):  # one scoring of each, timed
+        if method not in seconds:
+            _, seconds[method] = scored(method, {}, n_keeps[judged])
 
     def row(label: str, repair: str) -> dict:
         q = quality[label, repair]
@@ -240,7 +243,7 @@ def _judge(res: BenchResult, name: str, grid: dict, decoder: bool, setting: str,
                f"{metric} lost {at}, {DEFAULT_METHOD} + {sizes.recover} / flap + "
                f"{FLAP_REPAIR} (FLAP as published)", 0.7 if decoder else None)
         s = grid["seconds"]
-        own = (s["michel"] * grid["scorings"][DEFAULT_METHOD]
+        own = (s[DEFAULT_METHOD] * grid["scorings"].get(DEFAULT_METHOD, 1)
                + s[f"{DEFAULT_METHOD}+{sizes.recover}"])
         report("default_seconds_over_flap", own / (s["flap"] + s[f"flap+{FLAP_REPAIR}"]), "x",
                f"{DEFAULT_METHOD}'s scorings + {sizes.recover} seconds / flap's scoring + "
