@@ -67,7 +67,26 @@ def table(d: dict) -> str:
         f = d["figures"][i["figure"]]
         rows.append(f"| {_cell(i['what'])} | {_num(f['median'])} | "
                     f"{_num(f['q1'])}–{_num(f['q3'])} | — | — |")
-    return "\n".join(rows + _tradeoff(d.get("checks", {}).get("tradeoff") or []))
+    grids = [(k.removesuffix(".grid"), g) for k, g in d.get("checks", {}).items()
+             if k.endswith(".grid")]
+    tradeoff = _tradeoff(d.get("checks", {}).get("tradeoff") or [])
+    return "\n\n".join(["\n".join(rows), *(grid(model, g) for model, g in grids),
+                        *(["\n".join(tradeoff)] if tradeoff else [])])
+
+
+def grid(model: str, g: dict) -> str:
+    """bench quality's held-out quality by method and repair (rows) at each keep
+    (columns): the checks' ``<model>.grid``."""
+    keeps = " | ".join(f"keep {k:g} ({n} heads)" for k, n in zip(g["keeps"], g["heads_kept"],
+                                                                   strict=True))
+    rows = [f"{model}: held-out {g['metric']} by the heads each method chose, before "
+            f"pruning {_num(g['before'])} ({g['total_heads']} heads)", "",
+            f"| method | repair | {keeps} |", "|---|---|" + "---|" * len(g["keeps"])]
+    for r in g["rows"]:
+        name = "random (mean of 3 seeds)" if r["method"] == "random" else r["method"]
+        rows.append(f"| {_cell(name)} | {r['repair']} | "
+                    + " | ".join(_num(v) for v in r["quality"]) + " |")
+    return "\n".join(rows)
 
 
 def _kib(n: float | None) -> str:
@@ -79,7 +98,9 @@ def _tradeoff(lines: list[dict]) -> list[str]:
     it costs in quality (no repair, then the repair) and what it saves."""
     if not lines:
         return []
-    rows = ["", "| model | keep | query heads | parameters | KV cache / token | quality, "
+    rows = ["What each size keeps, costs and saves (the rows' repair and latency as the "
+            "method above says):", "",
+            "| model | keep | query heads | parameters | KV cache / token | quality, "
             "no repair | quality, repaired | latency (batch 1) |", "|---" * 8 + "|"]
     for r in lines:
         latency = ("n/a" if r["latency_ms"] is None

@@ -139,7 +139,10 @@ def test_each_benchmark_has_its_targets(tiny_run):
             "long_demoted_speedup_over_predicted"} <= long
     assert {f"long_{m}_headroom_over_budget_bytes" for m in ("before", "pruned", "demoted")
             } <= long
-    assert figures["quality"] == {"minilm-l6.michel_unnormalised_over_random"}
+    # the gates-vs-best and default-vs-FLAP quality bars are judged on causal LMs only
+    assert figures["quality"] == {"minilm-l6.michel_unnormalised_over_random",
+                                  "minilm-l6.gates_seconds_over_michel",
+                                  "minilm-l6.default_seconds_over_flap"}
     assert figures["recovery"] == {"minilm-l6.kept_over_none", "minilm-l6.recover_over_michel",
                                    "minilm-l6.keep_1_max_abs_diff"}
 
@@ -157,6 +160,33 @@ def test_recovery_tradeoff_table(tiny_run):
     assert rows[0]["latency_ms"] == rows[1]["latency_before_ms"]
     page = script("bench_tables").render(sorted(out.glob("*.json")))
     assert "| minilm-l6 | 0.6 | 44 | " in page and "no cache" in page
+
+
+def test_quality_grid_has_every_method_at_every_keep_and_the_docs_render_it(tiny_run):
+    """bench quality's grid: each method pruned and after lsq (flap also after its bias
+    compensation), random's 3 seeds, at each keep; the docs table shows every row."""
+    out, _ = tiny_run
+    d = json.loads((out / "quality.json").read_text())
+    sizes = PRESETS["tiny"]["quality"]
+    g = d["checks"]["minilm-l6.grid"]
+    assert g["keeps"] == list(sizes.keeps) and g["total_heads"] == 72
+    assert g["heads_kept"] == [math.ceil(k * 72) for k in sizes.keeps]
+    expected = [(m, r) for m in sizes.methods for r in ("none", "lsq")] + [
+        ("flap", "bias"), ("random", "none"), ("random", "lsq")]
+    assert sorted((r["method"], r["repair"]) for r in g["rows"]) == sorted(expected)
+    for r in g["rows"]:
+        assert len(r["quality"]) == len(r["lost"]) == len(sizes.keeps)
+        for q, lost in zip(r["quality"], r["lost"], strict=True):  # fidelity: lost = 1 - q
+            assert lost == pytest.approx(g["before"] - q, abs=1e-12)
+        if r["method"] == "random":
+            assert [len(s) for s in r["samples"]] == [3] * len(sizes.keeps)
+            assert r["lost"] == pytest.approx([statistics.mean(s) for s in r["samples"]])
+    assert {"michel", "gates", "flap", "michel+lsq", "flap+bias"} <= set(g["seconds"])
+    table = script("bench_tables").table(d)
+    assert "| keep 0.8 (58 heads) | keep 0.6 (44 heads) |" in table
+    assert "| flap | bias |" in table and "| random (mean of 3 seeds) | lsq |" in table
+    assert sum(line.startswith("| ") and " | lsq | " in line for line in table.splitlines()) \
+        == len(sizes.methods) + 1
 
 
 def test_references_compute_the_same_function(tiny_run):

@@ -165,6 +165,53 @@ def test_latency_at_the_longer_length_is_a_summary_row(tmp_path, full_results):
     assert "latency at 128 tokens" not in html
 
 
+def _speedup_svg(html: str) -> str | None:
+    found = re.search(r'<svg class="figure speedup".*?</svg>', html, re.S)
+    return found.group(0) if found else None
+
+
+def test_speedup_against_length_is_drawn_with_the_flop_prediction(tmp_path, full_results):
+    """One measured point (before / after) and one predicted (1 / (1 - drop)) per length,
+    x the length in tokens, y the speed-up."""
+    r = json.loads(json.dumps(full_results))
+    r["latency_ms"]["by_length"] = [
+        {"before": 40.1, "after": 31.2, "batch": 16, "seq_len": 128, "predicted_drop": 0.1},
+        {"before": 120.0, "after": 90.0, "batch": 1, "seq_len": 512, "predicted_drop": 0.2},
+        {"before": 900.0, "after": 600.0, "batch": 1, "seq_len": 2048,
+         "predicted_drop": 0.35}]
+    svg = _speedup_svg(_build(r, tmp_path / "r.html").read_text("utf-8"))
+    assert svg is not None
+    measured = re.findall(r"<title>measured speed-up at ([\d,]+) tokens, batch (\d+): "
+                          r"([\d.]+)x", svg)
+    assert measured == [("128", "16", "1.285"), ("512", "1", "1.333"), ("2,048", "1", "1.5")]
+    predicted = re.findall(r"<title>FLOP-predicted speed-up at ([\d,]+) tokens, batch \d+: "
+                           r"([\d.]+)x", svg)
+    assert predicted == [("128", "1.111"), ("512", "1.25"), ("2,048", "1.538")]
+    assert svg.count("<circle") == 6
+    assert "sequence length (tokens, log scale)" in svg
+    assert "speed-up (latency before / after, x)" in svg
+
+
+def test_speedup_chart_without_a_prediction_draws_the_measurement_only(tmp_path,
+                                                                       full_results):
+    r = json.loads(json.dumps(full_results))
+    r["latency_ms"]["by_length"] = [
+        {"before": 40.0, "after": 32.0, "batch": 16, "seq_len": 128},
+        {"before": 900.0, "after": 600.0, "batch": 1, "seq_len": 2048}]
+    svg = _speedup_svg(_build(r, tmp_path / "r.html").read_text("utf-8"))
+    assert svg.count("<circle") == 2 and "FLOP-predicted" not in svg
+
+
+@pytest.mark.parametrize("by_length", [None, []])
+def test_no_speedup_chart_without_lengths(tmp_path, full_results, by_length):
+    r = json.loads(json.dumps(full_results))
+    r["latency_ms"]["by_length"] = by_length
+    html = _build(r, tmp_path / "r.html").read_text("utf-8")
+    assert _speedup_svg(html) is None and "Speed-up of the pruned model" not in html
+    r["latency_ms"] = None
+    assert _speedup_svg(_build(r, tmp_path / "r2.html").read_text("utf-8")) is None
+
+
 def test_minimal_results_render(tmp_path):
     r = {"model": "m", "method": "ablation", "heads_total": 4,
          "importance": [[0.1, None], [math.nan, 0.4]]}

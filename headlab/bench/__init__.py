@@ -17,8 +17,10 @@ same process, on the same weights and inputs, timed as `headlab._util.timing` de
                 perplexity at 512, 2048 and 8192 tokens, and needle accuracy at 1024 and
                 2048, before and after kv-group pruning and demotion of half the groups
                 (`headlab.bench.long_context`)
-    quality     held-out quality lost when pruning with michel vs with random scores
-                (3 seeds), on the real bundled SmolLM2 and MiniLM; not a timing
+    quality     held-out quality lost when pruning with michel, taylor, learned gates
+                and FLAP's metric vs with random scores (3 seeds), at keep 0.8, 0.6 and
+                0.4, before and after lsq repair, on the real bundled models; gate
+                training and FLAP's calibration seconds against michel's
     recovery    held-out loss kept after the default repair (lsq) / without it, at keep
                 0.6 on SmolLM2 and MiniLM; its time / michel scoring's
 
@@ -104,8 +106,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                                   long_context=LongContextSizes(contexts=(512, 2048),
                                                                 steps=8, needle_trials=1,
                                                                 headroom_context=512)),
-        "quality": QualitySizes(runs=(("smollm2-135m", 64, 1024), ("minilm-l6", 128, 2048)),
-                                validate=(("minilm-l6", 64, 1024),)),
+        "quality": QualitySizes(runs=(("smollm2-135m", 64, 512), ("minilm-l6", 128, 1024)),
+                                gate_steps=30, validate=(("minilm-l6", 64, 1024),)),
         "recovery": RecoverySizes(runs=(("smollm2-135m", 64, 1024, ()),
                                         ("minilm-l6", 128, 2048, (("normalize", False),))),
                                   distill_tokens=4096, latency_length=512),
@@ -129,7 +131,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                                       scoring_tokens=64, scoring_seq=32,
                                       needle_lengths=(64, 128), needle_depths=(0.0, 1.0),
                                       needle_trials=1, headroom_context=64)),
-        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), step=0.4, validate=()),
+        "quality": QualitySizes(runs=(("minilm-l6", 32, 256),), keeps=(0.8, 0.6), step=0.4,
+                                gate_steps=10, validate=()),
         "recovery": RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4,
                                   latency_length=32, latency_rounds=1),
     },

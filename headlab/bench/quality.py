@@ -1,16 +1,22 @@
-"""``headlab bench quality``: held-out quality lost when pruning by michel (with and
-without the layer norm) and taylor scores, against random scores (3 seeds), on the real
-bundled models; and the validation table (`headlab.analysis.validation`): each importance
-method's and detector's Spearman correlation with the true single-head ablation cost,
-with its bootstrap interval. Not a timing: random weights have no heads worth keeping."""
+"""``headlab bench quality``: held-out quality lost when pruning by each importance method
+(michel with and without the layer norm, taylor, learned gates, FLAP's metric) against
+random scores (3 seeds), at several keeps, each before and after `lsq` repair, on the
+real bundled models; and the validation table (`headlab.analysis.validation`): each
+importance method's and detector's Spearman correlation with the true single-head
+ablation cost, with its bootstrap interval. Not a timing but for the ratios of scoring
+seconds: random weights have no heads worth keeping."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
+from headlab.importance import JOINT, TARGETED
+from headlab.importance.gates import DEFAULT_STEPS
+from headlab.runs.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -19,18 +25,22 @@ __all__ = ["QUALITY_TARGETED", "QUALITY_VARIANTS", "QualitySizes", "bench_qualit
 
 @dataclass(frozen=True, kw_only=True)
 class QualitySizes:
-    """Each of ``runs`` pruned to ``keep`` in steps of ``step`` with each of ``methods``
-    and with random scores; not timed, so no `Timing`."""
+    """Each of ``runs`` pruned to each of ``keeps`` with each of ``methods`` and with
+    random scores, measured pruned and after ``recover``; the targets are judged at
+    ``keep`` (one of ``keeps``)."""
 
     # (bundled model, sequence length, token budget): real models only
     runs: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 128, 4096),
                                                ("gemma3-270m", 128, 4096),
                                                ("minilm-l6", 128, 8192))
     data: str | None = "enwiki"  # None: the bundled text
+    keeps: tuple[float, ...] = (0.8, 0.6, 0.4)
     keep: float = 0.6
-    step: float = 0.2
+    step: float = 0.2  # the iterative schedule's step (michel, taylor, random)
     batch: int = 4
-    methods: tuple[str, ...] = ("michel_unnormalised", "michel", "taylor")
+    methods: tuple[str, ...] = ("michel_unnormalised", "michel", "taylor", "gates", "flap")
+    recover: str = "lsq"
+    gate_steps: int = DEFAULT_STEPS
     # score validation: (bundled model, sequence length, token budget) per run
     validate: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 64, 1024),
                                                    ("minilm-l6", 64, 2048))
@@ -44,54 +54,200 @@ QUALITY_VARIANTS = {
     "michel": ("michel", {}, "michel with the layer l2 norm (the paper's)"),
     "michel_unnormalised": ("michel", {"normalize": False}, "michel without the layer norm"),
     "taylor": ("taylor", {}, "taylor"),
+    "gates": ("gates", {}, "learned hard-concrete gates"),
+    "flap": ("flap", {}, "FLAP's WIFV metric, adaptive across layers"),
 }
 QUALITY_TARGETED = "michel_unnormalised"
+DEFAULT_METHOD = RunConfig.method  # `headlab prune`'s default --method
+GATES_BAR = ("michel", "michel_unnormalised", "taylor")  # gates are held against the best
+FLAP_REPAIR = "bias"  # FLAP's own bias compensation, `headlab.recover(method="bias")`
+SEEDS = (0, 1, 2)
 
 
 def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> BenchResult:
-    """Held-out quality lost with each method vs random scores (3 seeds), real models."""
+    """Held-out quality lost with each method vs random scores (3 seeds) at each keep,
+    pruned and repaired, real models; gate training and FLAP's calibration seconds."""
     import headlab
-    from headlab.schedule import versus_random
 
+    if sizes.keep not in sizes.keeps:
+        raise ValueError(f"the judged keep {sizes.keep} must be one of keeps {sizes.keeps}")
     res = BenchResult.of_sizes("quality", sizes)
     res.method = {
         "data": describe(sizes.data),
-        "pruning": f"headlab.prune_to_target(method, keep={sizes.keep}, schedule="
-                   f"'iterative', step={sizes.step}) from the unpruned model, for "
-                   f"{', '.join(sizes.methods)} and for random with seeds 0, 1, 2 "
-                   "(headlab.schedule.versus_random)",
+        "pruning": f"at each keep of {', '.join(map(str, sizes.keeps))}, from the unpruned "
+                   "model: michel, taylor and random (seeds 0, 1, 2) by headlab."
+                   f"prune_to_target(method, schedule='iterative', step={sizes.step}); "
+                   f"{' and '.join(JOINT)}, which choose across layers jointly, scored once "
+                   "(gates trained toward that keep's number of heads, "
+                   f"{sizes.gate_steps} steps) and the top heads kept (headlab.select); "
+                   "the chosen heads removed (headlab.prune) and measured, then repaired "
+                   f"from the same pruned model by headlab.recover(method='{sizes.recover}') "
+                   f"on the scoring blocks (flap also by '{FLAP_REPAIR}', FLAP's bias "
+                   "compensation) and measured again",
         "lost": "held-out perplexity increase (causal LM) or fidelity decrease (sentence "
                 "embeddings) after pruning",
-        "ratio": "lost with the method / mean lost with random (target <= 0.5, the "
-                 "issue's bar, for michel without the layer l2 norm; michel with it, the "
-                 "paper's default, and taylor are reported beside it)",
+        "ratio": f"at keep {sizes.keep}: lost with the method / mean lost with random "
+                 "(target <= 0.5, for michel without the layer l2 norm; the others "
+                 "reported beside it); gates' lost / the least lost by "
+                 f"{', '.join(GATES_BAR)} (target <= 0.7, causal LMs, pruned and after "
+                 f"{sizes.recover}); {DEFAULT_METHOD} + {sizes.recover}'s lost / flap + "
+                 f"{FLAP_REPAIR}'s (target <= 0.7, causal LMs)",
+        "time": "seconds of headlab.score on the unpruned model's scoring blocks: gates "
+                f"(trained toward keep {sizes.keep}) / michel (target <= 5); "
+                f"{DEFAULT_METHOD}'s scorings in its schedule (each timed as one on the "
+                f"unpruned model) + {sizes.recover} / flap's scoring + {FLAP_REPAIR} "
+                "(target <= 3)",
     }
     for name, seq_len, max_tokens in sizes.runs:
         model = headlab.load(name, device=device)
         scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
                                                max_tokens=max_tokens, batch_size=sizes.batch)
-        result = versus_random(model, scoring, heldout,
-                               method={m: QUALITY_VARIANTS[m][:2] for m in sizes.methods},
-                               keep=sizes.keep, step=sizes.step, batch_size=sizes.batch)
-        res.checks[f"{name}.result"] = result
+        grid = _grid(model, scoring, heldout, sizes)
+        res.checks[f"{name}.grid"] = grid
         res.checks[f"{name}.tokens"] = {"scoring": int(scoring.attention_mask.sum()),
                                         "heldout": int(heldout.attention_mask.sum())}
-        res.add(f"{name}.{result['metric']}_before", [result["before"]], result["metric"])
-        res.add(f"{name}.random_lost", [v for k, v in result["lost"].items()
-                                        if k.startswith("random:")], result["metric"])
-        for method in sizes.methods:
-            res.add(f"{name}.{method}_lost", [result["lost"][method]], result["metric"])
-            res.add(f"{name}.{method}_over_random", [result["ratios"][method]], "x")
-            what = (f"{name} {result['metric']} lost at keep {sizes.keep}, "
-                    f"{QUALITY_VARIANTS[method][2]} / mean of 3 random seeds (S={seq_len}, "
-                    f"{max_tokens} tokens)")
-            if method == QUALITY_TARGETED:
-                res.add_target(f"{name}.{method}_over_random", target=0.5, op="<=", what=what)
-            else:
-                res.info.append((f"{name}.{method}_over_random", what))
+        _judge(res, name, grid, model.kind == "causal-lm",
+               f"S={seq_len}, {max_tokens} tokens", sizes)
     for name, seq_len, max_tokens in sizes.validate:
         _validation(res, name, seq_len, max_tokens, sizes, device)
     return res
+
+
+def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
+    """Every method's (and each random seed's) held-out quality at each keep, pruned and
+    repaired, with the seconds the targets compare. Rows: ``{"method", "repair",
+    "quality": [per keep], "lost": [per keep]}``; random's row holds the seeds' means
+    and ``samples`` (per keep, per seed)."""
+    import headlab
+    from headlab.pruning import copy_model
+    from headlab.selection import heads_to_keep
+
+    total = model.n_layers * model.n_original_heads
+    n_keeps = [heads_to_keep(total, keep=k) for k in sizes.keeps]
+    judged = sizes.keeps.index(sizes.keep)
+    before = headlab.evaluate(model, heldout, batch_size=sizes.batch)
+    sign = -1 if before.higher_is_better else 1
+    seconds: dict[str, float] = {}
+    scorings: dict[str, int] = {}
+
+    def scored(name: str, kw: dict, n_keep: int):  # one scoring, timed
+        t0 = time.perf_counter()
+        scores = headlab.score(model, scoring, method=name, batch_size=sizes.batch, **kw,
+                               **({"target": n_keep, "gate_steps": sizes.gate_steps}
+                                  if name in TARGETED else {}))
+        return scores, time.perf_counter() - t0
+
+    def plans(label: str, name: str, kw: dict, seed: int) -> list:  # one per keep
+        out, once = [], None
+        for i, n_keep in enumerate(n_keeps):
+            if name in JOINT:
+                if once is None or name in TARGETED:
+                    once, t = scored(name, kw, n_keep)
+                    if i == judged or name not in TARGETED:
+                        seconds[label] = t
+                out.append(headlab.select(once, n_keep))
+            else:
+                r = headlab.prune_to_target(model, scoring, heldout, method=name,
+                                            n_keep=n_keep, step=sizes.step,
+                                            batch_size=sizes.batch, seed=seed, score_kwargs=kw)
+                if i == judged:
+                    scorings[label] = len(r.step_scores)
+                out.append(r.plan)
+        return out
+
+    def measured(plan, repair: str | None, label: str, i: int) -> float:
+        pruned = headlab.prune(copy_model(model), plan)
+        if repair is not None:
+            t0 = time.perf_counter()
+            headlab.recover(pruned, model, scoring, method=repair, batch_size=sizes.batch)
+            if i == judged:
+                seconds[f"{label}+{repair}"] = time.perf_counter() - t0
+        return headlab.evaluate(pruned, heldout, batch_size=sizes.batch).value
+
+    runs = [(label, *QUALITY_VARIANTS[label][:2], 0) for label in sizes.methods]
+    runs += [(f"random:{seed}", "random", {}, seed) for seed in SEEDS]
+    quality: dict[tuple[str, str], list[float]] = {}
+    for label, name, kw, seed in runs:
+        repairs = [None, sizes.recover] + ([FLAP_REPAIR] if name == "flap" else [])
+        log.info("%s at keep %s, pruned and after %s", label,
+                 ", ".join(map(str, sizes.keeps)), ", ".join(r for r in repairs if r))
+        chosen = plans(label, name, dict(kw), seed)
+        for repair in repairs:
+            quality[label, repair or "none"] = [measured(p, repair, label, i)
+                                                for i, p in enumerate(chosen)]
+    for method in dict.fromkeys(("michel", DEFAULT_METHOD)):  # one scoring of each, timed
+        if method not in seconds:
+            _, seconds[method] = scored(method, {}, n_keeps[judged])
+
+    def row(label: str, repair: str) -> dict:
+        q = quality[label, repair]
+        return {"method": label, "repair": repair, "quality": q,
+                "lost": [sign * (v - before.value) for v in q]}
+
+    def mean(xs) -> float:
+        return sum(xs) / len(xs)
+
+    rows = [row(label, repair) for label, repair in quality if not label.startswith("random:")]
+    for repair in ("none", sizes.recover):
+        seeds = [row(f"random:{s}", repair) for s in SEEDS]
+        samples = [[s["lost"][i] for s in seeds] for i in range(len(n_keeps))]  # keep x seed
+        rows.append({"method": "random", "repair": repair,
+                     "quality": [mean([s["quality"][i] for s in seeds])
+                                 for i in range(len(n_keeps))],
+                     "lost": [mean(x) for x in samples], "samples": samples})
+    return {"metric": before.metric, "before": before.value, "keeps": list(sizes.keeps),
+            "heads_kept": n_keeps, "total_heads": total, "rows": rows, "seconds": seconds,
+            "scorings": scorings}
+
+
+def _judge(res: BenchResult, name: str, grid: dict, decoder: bool, setting: str,
+           sizes: QualitySizes) -> None:
+    """The figures, targets and reported ratios at the judged keep."""
+    metric, j = grid["metric"], grid["keeps"].index(sizes.keep)
+    lost = {(r["method"], r["repair"]): r["lost"][j] for r in grid["rows"]}
+    random = next(r for r in grid["rows"] if (r["method"], r["repair"]) == ("random", "none"))
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else float("nan")
+
+    def report(figure: str, value: float, unit: str, what: str, bar: float | None) -> None:
+        res.add(f"{name}.{figure}", [value], unit)
+        what = f"{name} {what} ({setting})"
+        if bar is None:
+            res.info.append((f"{name}.{figure}", what))
+        else:
+            res.add_target(f"{name}.{figure}", target=bar, op="<=", what=what)
+
+    res.add(f"{name}.{metric}_before", [grid["before"]], metric)
+    res.add(f"{name}.random_lost", random["samples"][j], metric)
+    at = f"at keep {sizes.keep}"
+    for method in sizes.methods:
+        res.add(f"{name}.{method}_lost", [lost[method, "none"]], metric)
+        report(f"{method}_over_random", ratio(lost[method, "none"], random["lost"][j]), "x",
+               f"{metric} lost {at}, {QUALITY_VARIANTS[method][2]} / mean of 3 random seeds",
+               0.5 if method == QUALITY_TARGETED else None)
+    bar = [m for m in GATES_BAR if m in sizes.methods]
+    if "gates" in sizes.methods and bar:
+        for repair in ("none", sizes.recover):
+            best = min(lost[m, repair] for m in bar)
+            after = "" if repair == "none" else f"_{repair}"
+            report(f"gates{after}_over_best", ratio(lost["gates", repair], best), "x",
+                   f"{metric} lost {at}" + ("" if repair == "none" else f" after {repair}")
+                   + f", gates / the least of {', '.join(bar)}", 0.7 if decoder else None)
+        report("gates_seconds_over_michel",
+               grid["seconds"]["gates"] / grid["seconds"]["michel"], "x",
+               f"gate training seconds (toward keep {sizes.keep}) / one michel scoring", 5.0)
+    if "flap" in sizes.methods and DEFAULT_METHOD in sizes.methods:
+        report(f"default_{sizes.recover}_over_flap_{FLAP_REPAIR}",
+               ratio(lost[DEFAULT_METHOD, sizes.recover], lost["flap", FLAP_REPAIR]), "x",
+               f"{metric} lost {at}, {DEFAULT_METHOD} + {sizes.recover} / flap + "
+               f"{FLAP_REPAIR} (FLAP as published)", 0.7 if decoder else None)
+        s = grid["seconds"]
+        own = (s[DEFAULT_METHOD] * grid["scorings"].get(DEFAULT_METHOD, 1)
+               + s[f"{DEFAULT_METHOD}+{sizes.recover}"])
+        report("default_seconds_over_flap", own / (s["flap"] + s[f"flap+{FLAP_REPAIR}"]), "x",
+               f"{DEFAULT_METHOD}'s scorings + {sizes.recover} seconds / flap's scoring + "
+               f"{FLAP_REPAIR} seconds", 3.0)
 
 
 def _validation(res: BenchResult, name: str, seq_len: int, max_tokens: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from markupsafe import Markup
@@ -344,7 +345,8 @@ def run_curves(result: RunResult) -> dict[str, list[dict]]:
 
 
 def figures(result: RunResult, mask: list[list[bool]] | None) -> dict[str, Markup]:
-    """The three static SVG figures; an empty Markup where the data is missing."""
+    """The static SVG figures (importance map, pruning curve, clusters, speed-up by
+    length); an empty Markup where the data is missing."""
     q = result.quality
     run_fraction = None
     if not result.score_only and result.heads_total and result.heads_kept is not None:
@@ -366,6 +368,8 @@ def figures(result: RunResult, mask: list[list[bool]] | None) -> dict[str, Marku
                                        higher_is_better=q.higher_is_better,
                                        run_fraction=run_fraction),
         "clusters": scatter,
+        "speedup": _figures.speedup_chart(
+            [asdict(x) for x in result.latency_ms.by_length] if result.latency_ms else []),
     }
 
 

@@ -246,6 +246,76 @@ def curves_chart(curves: dict[str, Sequence[dict]], *, metric: str,
                 label=f"{metric} against fraction of heads pruned")
 
 
+def speedup_chart(points: Sequence[dict]) -> Markup:
+    """Speed-up (latency before / after pruning) against sequence length, log-2 x axis,
+    one point per length measured; the FLOP-predicted speed-up, 1 / (1 - predicted
+    drop), beside it (grey, dashed) where the points carry it. ``points``: dicts with
+    ``seq_len``, ``batch``, ``before``, ``after`` (ms) and ``predicted_drop``."""
+    measured, predicted = [], []
+    for p in points:
+        n, before, after = p.get("seq_len"), p.get("before"), p.get("after")
+        if not (_finite(n) and n > 0 and _finite(before) and _finite(after) and after > 0):
+            continue
+        measured.append((n, before / after, p.get("batch"), before, after))
+        drop = p.get("predicted_drop")
+        if _finite(drop) and drop < 1:
+            predicted.append((n, 1 / (1 - drop), p.get("batch"), None, None))
+    if not measured:
+        return Markup("")
+    series = [("measured", _PALETTE[0], "", sorted(measured))]
+    if predicted:
+        series.append(("FLOP-predicted", _FLOOR_COLOUR, " floor", sorted(predicted)))
+    lengths = sorted({p[0] for _, _, _, pts in series for p in pts})
+    ys = [p[1] for _, _, _, pts in series for p in pts] + [1.0]  # 1.0: no change
+    pad = (max(ys) - min(ys)) * 0.08 or 0.05
+    y_ticks = _nice_ticks(min(ys) - pad, max(ys) + pad)
+    y_lo, y_hi = min(min(ys) - pad, y_ticks[0]), max(max(ys) + pad, y_ticks[-1])
+    x_lo, x_hi = math.log2(lengths[0]), math.log2(lengths[-1])
+    width, height = 560.0, 320.0
+    left, right, top, bottom = 64.0, 150.0, 16.0, 44.0
+    pw, ph = width - left - right, height - top - bottom
+
+    def sx(n: float) -> float:  # the ends inset from the frame; a lone length in the middle
+        t = (math.log2(n) - x_lo) / (x_hi - x_lo) if x_hi > x_lo else 0.5
+        return left + pw * (0.06 + 0.88 * t)
+
+    def sy(v: float) -> float:
+        return top + ph * (1 - (v - y_lo) / ((y_hi - y_lo) or 1.0))
+
+    body = [f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="plot-bg"/>']
+    for n in lengths:
+        body.append(f'<line x1="{sx(n):.1f}" x2="{sx(n):.1f}" y1="{top}" y2="{top + ph}" '
+                    f'class="grid"/><text x="{sx(n):.1f}" y="{top + ph + 16}" '
+                    f'text-anchor="middle">{n:,}</text>')
+    for v in y_ticks:
+        body.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" '
+                    f'class="grid"/><text x="{left - 6}" y="{sy(v) + 4:.1f}" '
+                    f'text-anchor="end">{_fmt(v)}x</text>')
+    body.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(1.0):.1f}" y2="{sy(1.0):.1f}" '
+                'class="baseline"/>'
+                f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle" '
+                'class="axis-title">sequence length (tokens, log scale)</text>'
+                f'<text transform="translate(14 {top + ph / 2}) rotate(-90)" '
+                'text-anchor="middle" class="axis-title">speed-up (latency before / after, '
+                'x)</text>')
+    for i, (name, colour, floor, pts) in enumerate(series):
+        path = "".join(f"{'M' if j == 0 else 'L'}{sx(n):.1f} {sy(v):.1f}"
+                       for j, (n, v, *_) in enumerate(pts))
+        body.append(f'<g class="series" data-series="{name}"><path d="{path}" '
+                    f'stroke="{colour}" class="line{floor}"/>')
+        for n, v, batch, before, after in pts:
+            times = f" ({_fmt(before)} ms -> {_fmt(after)} ms)" if before is not None else ""
+            body.append(f'<circle cx="{sx(n):.1f}" cy="{sy(v):.1f}" r="3" fill="{colour}" '
+                        f'class="point"><title>{name} speed-up at {n:,} tokens, batch '
+                        f"{batch}: {_fmt(v)}x{escape(times)}</title></circle>")
+        ly = top + 8 + 18 * i
+        body.append(f'<line x1="{left + pw + 14}" x2="{left + pw + 38}" y1="{ly}" y2="{ly}" '
+                    f'stroke="{colour}" class="line{floor}"/>'
+                    f'<text x="{left + pw + 44}" y="{ly + 4}">{name}</text></g>')
+    return _svg(width, height, body, css_class="figure speedup",
+                label="speed-up of the pruned model against sequence length")
+
+
 def cluster_scatter(coords: Sequence[Sequence[float]], labels: Sequence[int],
                     names: dict[str, str], heads: Sequence[tuple[int, int]],
                     pruned: set[tuple[int, int]]) -> Markup:
