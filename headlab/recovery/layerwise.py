@@ -24,7 +24,10 @@ The target Y of the attention output is, with ``residual`` (lsq, rescale), what 
 the pruned residual sum equal the reference's: Y = x_ref + attn_ref(x_ref) - x. So each
 layer also corrects the drift that the earlier layers left in the stream (Kwon et al.
 2022 reconstruct a layer's output with its residual). Without it (bias), Y is
-the reference's attention output alone.
+the reference's attention output alone; so it is, and the MLP's, behind a post-norm
+(Gemma, OLMo-2 add norm(out) to the residual): there the drift lives in the normalised
+space, and added to a target in the projection's space it asks for a fit that
+follows neither.
 
 Each block runs once per stream, and the pruned block's attention and MLP once more
 each: about two forwards without the output head, where a full pass per layer would
@@ -180,14 +183,17 @@ class _Walk:
         attn_refs, mlp_refs = self._reference(i, fit, mlp=down is not None)
         # Y = attn_ref + (x_ref - x): the pruned sum matches the reference's; where the
         # streams agree, Y is the reference's output exactly
-        targets = [y + (h_ref - h[r]) if residual else y
+        block = self.pruned.blocks[i]
+        attn_drift = residual and _added_as_is(block, "attn")
+        targets = [y + (h_ref - h[r]) if attn_drift else y
                    for (y, h_ref), h, r in zip(attn_refs, self.pruned_h, self.real,
                                                strict=True)]
         attn_out, before = self._fit_attention(i, fit, targets)
         after = _Error()
         for b, out in enumerate(attn_out):
             after.add(out[self.real[b]], targets[b])
-        mlp_out, mlp_errors = (self._fit_down(i, down, attn_out, mlp_refs)
+        mlp_drift = residual and _added_as_is(block, "mlp")
+        mlp_out, mlp_errors = (self._fit_down(i, down, attn_out, mlp_refs, residual=mlp_drift)
                                if down is not None else (None, (None, None)))
         # the repaired block's output, its sublayers' outputs as just computed
         for b, x in enumerate(self.pruned_in):
@@ -242,7 +248,7 @@ class _Walk:
             outs.append(attn.o_proj(z.reshape(*z.shape[:2], -1)))  # (B, S, E)
         return outs, (before if fit is not None else None)
 
-    def _fit_down(self, i: int, down: DownFit, attn_out, mlp_refs):
+    def _fit_down(self, i: int, down: DownFit, attn_out, mlp_refs, *, residual: bool):
         """Refit block i's down projection on the pruned stream, its attention repaired;
         return the MLP's outputs after (B, S, E) per batch, and the errors before, after."""
         before, after = _Error(), _Error()
@@ -253,7 +259,8 @@ class _Walk:
                 x.block(i, self.pruned_h[b])
             r = self.real[b]
             m_ref, mid_ref = mlp_refs[b]
-            y = m_ref + (mid_ref - seen["mid"][r])  # (N, E): the sums after the MLP agree
+            # (N, E): the sums after the MLP agree, or with a post-norm its outputs
+            y = m_ref + (mid_ref - seen["mid"][r]) if residual else m_ref
             before.add(seen["mlp"][r], y)
             down.add(seen["act"][r], y, seen["mlp"][r])
             acts.append(seen["act"])
@@ -339,6 +346,14 @@ def refitted(model: HeadModel) -> list[tuple[nn.Module, str, nn.Module]]:
             owner, name = _down_owner(model, i)
             found.append((owner, name, getattr(owner, name)))
     return found
+
+
+def _added_as_is(block: nn.Module, sublayer: str) -> bool:
+    """Whether the block adds its ``sublayer``'s (attn, mlp) output to the residual as
+    it is. Behind a post-norm (Gemma, OLMo-2: x + norm(out)) the residual's drift is in
+    the normalised space, not the projection's: such a sublayer is fitted to the
+    reference's output alone."""
+    return getattr(block, f"{sublayer}_post_norm", None) is None
 
 
 def _down_owner(model: HeadModel, i: int) -> tuple[nn.Module, str]:
