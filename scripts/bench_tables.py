@@ -1,9 +1,11 @@
 """Write docs/benchmarks.md's tables from reports/bench/*.json, between the markers
 ``<!-- bench:start -->`` and ``<!-- bench:end -->``: one table per benchmark, under a
-line that says where and when the JSON was measured. Nothing in them is typed by hand.
+line that says where and when the JSON was measured; and the README's trade-off table
+(``bench recovery``'s) between ``<!-- tradeoff:start -->`` and ``<!-- tradeoff:end -->``.
+Nothing in them is typed by hand.
 
-    python scripts/bench_tables.py            # rewrite docs/benchmarks.md's tables
-    python scripts/bench_tables.py --check    # exit 1 if the tables are stale
+    python scripts/bench_tables.py            # rewrite the tables
+    python scripts/bench_tables.py --check    # exit 1 if they are stale
 
 tests/test_docs.py fails while the page and the committed JSONs disagree.
 """
@@ -21,6 +23,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from generated_block import update  # noqa: E402
 
 MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
+TRADEOFF_MARKERS = ("<!-- tradeoff:start -->", "<!-- tradeoff:end -->")
 
 
 def _num(x: float | None) -> str:
@@ -119,24 +122,40 @@ def render(paths: list[Path]) -> str:
     return f"{MARKERS[0]}\n{body}\n{MARKERS[1]}"
 
 
-def current_block(text: str) -> str:
-    """The tables between the page's markers, markers included."""
-    start, end = (text.index(m) for m in MARKERS)
-    return text[start:end + len(MARKERS[1])]
+def render_tradeoff(paths: list[Path]) -> str:
+    """The README's block (markers included): recovery.json's trade-off table under the
+    line that says where and when it was measured."""
+    found = [json.loads(Path(p).read_text()) for p in paths if Path(p).name == "recovery.json"]
+    rows = _tradeoff(found[0].get("checks", {}).get("tradeoff") or []) if found else []
+    body = (f"{_setting(found[0])}\n\n" + "\n".join(rows) if rows
+            else "No trade-off measured (`headlab bench recovery` writes it).")
+    return f"{TRADEOFF_MARKERS[0]}\n{body}\n{TRADEOFF_MARKERS[1]}"
+
+
+def current_block(text: str, markers: tuple[str, str] = MARKERS) -> str:
+    """The block between the page's ``markers``, markers included."""
+    start, end = (text.index(m) for m in markers)
+    return text[start:end + len(markers[1])]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("page", nargs="?", default=str(ROOT / "docs" / "benchmarks.md"))
     parser.add_argument("jsons", nargs="*", help="default: reports/bench/*.json")
+    parser.add_argument("--readme", default=str(ROOT / "README.md"),
+                        help="the page holding the trade-off table")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if the tables are stale")
     args = parser.parse_intermixed_args(argv)
     page = Path(args.page)
     jsons = [Path(p) for p in args.jsons] or sorted((ROOT / "reports" / "bench").glob("*.json"))
-    return update(page, current_block, render(jsons), check=args.check,
-                  what="benchmark tables", markers=f"{MARKERS[0]} and {MARKERS[1]}",
-                  script="scripts/bench_tables.py")
+    tables = update(page, current_block, render(jsons), check=args.check,
+                    what="benchmark tables", markers=f"{MARKERS[0]} and {MARKERS[1]}",
+                    script="scripts/bench_tables.py")
+    tradeoff = update(Path(args.readme), lambda t: current_block(t, TRADEOFF_MARKERS),
+                      render_tradeoff(jsons), check=args.check, what="trade-off table",
+                      markers=" and ".join(TRADEOFF_MARKERS), script="scripts/bench_tables.py")
+    return max(tables, tradeoff)
 
 if __name__ == "__main__":
     sys.exit(main())

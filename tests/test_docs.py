@@ -194,6 +194,9 @@ def test_benchmark_tables_are_the_committed_jsons():
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     assert tables.current_block(page) == tables.render(jsons), (
         "docs/benchmarks.md's tables are stale: run python scripts/bench_tables.py")
+    readme = (ROOT / "README.md").read_text()
+    assert tables.current_block(readme, tables.TRADEOFF_MARKERS) == tables.render_tradeoff(
+        jsons), "the README's trade-off table is stale: run python scripts/bench_tables.py"
 
 
 def test_bench_tables_script_rewrites_and_checks(tmp_path):
@@ -201,14 +204,18 @@ def test_bench_tables_script_rewrites_and_checks(tmp_path):
     page = tmp_path / "benchmarks.md"
     start, end = tables.MARKERS
     page.write_text(f"before\n{start}\nold\n{end}\nafter\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n{}\nold\n{}\n".format(*tables.TRADEOFF_MARKERS))
     jsons = sorted((ROOT / "reports" / "bench").glob("*.json"))
-    assert tables.main([str(page), *map(str, jsons)]) == 0
+    args = ["--readme", str(readme), *map(str, jsons)]
+    assert tables.main([str(page), *args]) == 0
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("\nafter\n")
     assert tables.current_block(text) == tables.render(jsons)
-    assert tables.main([str(page), "--check", *map(str, jsons)]) == 0
+    assert readme.read_text() == f"intro\n{tables.render_tradeoff(jsons)}\n"
+    assert tables.main([str(page), "--check", *args]) == 0
     page.write_text(text.replace("| yes |", "| no |", 1).replace("| **no** |", "| x |", 1))
-    assert tables.main([str(page), "--check", *map(str, jsons)]) == 1
+    assert tables.main([str(page), "--check", *args]) == 1
 
 
 def test_shell_quoting_in_blocks_is_bash():

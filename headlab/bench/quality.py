@@ -76,7 +76,9 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> B
         "data": describe(sizes.data),
         "pruning": f"at each keep of {', '.join(map(str, sizes.keeps))}, from the unpruned "
                    "model: michel, taylor and random (seeds 0, 1, 2) by headlab."
-                   f"prune_to_target(method, schedule='iterative', step={sizes.step}); "
+                   f"prune_to_target(method, schedule='iterative', step={sizes.step}) run "
+                   "once to the smallest keep, each keep's plan the one that schedule "
+                   "stopped there chooses (ScheduleResult.plan_at); "
                    f"{' and '.join(JOINT)}, which choose across layers jointly, scored once "
                    "(gates trained toward that keep's number of heads, "
                    f"{sizes.gate_steps} steps) and the top heads kept (headlab.select); "
@@ -138,21 +140,20 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
         return scores, time.perf_counter() - t0
 
     def plans(label: str, name: str, kw: dict, seed: int) -> list:  # one per keep
+        if name not in JOINT:  # one schedule to the smallest keep holds every keep's plan
+            r = headlab.prune_to_target(model, scoring, heldout, method=name,
+                                        n_keep=min(n_keeps), step=sizes.step,
+                                        batch_size=sizes.batch, seed=seed, score_kwargs=kw)
+            scorings[label] = sum(int((~s.tensor().isnan()).sum()) > n_keeps[judged]
+                                  for s in r.step_scores)  # a run to the judged keep's
+            return [r.plan_at(n) for n in n_keeps]
         out, once = [], None
         for i, n_keep in enumerate(n_keeps):
-            if name in JOINT:
-                if once is None or name in TARGETED:
-                    once, t = scored(name, kw, n_keep)
-                    if i == judged or name not in TARGETED:
-                        seconds[label] = t
-                out.append(headlab.select(once, n_keep))
-            else:
-                r = headlab.prune_to_target(model, scoring, heldout, method=name,
-                                            n_keep=n_keep, step=sizes.step,
-                                            batch_size=sizes.batch, seed=seed, score_kwargs=kw)
-                if i == judged:
-                    scorings[label] = len(r.step_scores)
-                out.append(r.plan)
+            if once is None or name in TARGETED:
+                once, t = scored(name, kw, n_keep)
+                if i == judged or name not in TARGETED:
+                    seconds[label] = t
+            out.append(headlab.select(once, n_keep))
         return out
 
     def measured(plan, repair: str | None, label: str, i: int) -> float:
