@@ -204,7 +204,8 @@ def test_gemma3_inspect_detect_prune_eval_report_on_enwiki(tmp_path):
                "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr
     result = json.loads((out / "results.json").read_text())
-    assert sum(len(h) for h in result["kept_heads"].values()) == 43
+    kept = sum(len(h) for h in result["kept_heads"].values())
+    assert kept == headlab.heads_to_keep(72, keep=0.6)
     assert result["data"]["separation"]
     res = _cli("eval", "--model", str(out / "model"), "--data", "enwiki", "--max-tokens",
                "512", "--seq-len", "64", "--json")
