@@ -101,13 +101,17 @@ def _tradeoff(lines: list[dict]) -> list[str]:
     it costs in quality (no repair, then the repair) and what it saves."""
     if not lines:
         return []
-    rows = ["What each size keeps, costs and saves (the rows' repair and latency as the "
-            "method above says):", "",
+    rows = ["Quality with no repair and after the default repair (lsq); latency: the "
+            "repaired model's median forward, batch 1, against the unpruned model's in the "
+            "same interleaved rounds.", "",
             "| model | keep | query heads | parameters | KV cache / token | quality, "
-            "no repair | quality, repaired | latency (batch 1) |", "|---" * 8 + "|"]
+            "no repair | quality, repaired | latency: this / unpruned |", "|---" * 8 + "|"]
     for r in lines:
         latency = ("n/a" if r["latency_ms"] is None
-                   else f"{r['latency_ms']:.0f} ms at {r['latency_tokens']} tokens")
+                   else f"{r['latency_ms']:.0f} ms at {r['latency_tokens']} tokens"
+                   if r["latency_before_ms"] is None
+                   else f"{r['latency_ms']:.0f} / {r['latency_before_ms']:.0f} ms at "
+                        f"{r['latency_tokens']} tokens")
         rows.append(f"| {r['model']} | {r['keep']:g} | {r['heads']} | "
                     f"{r['params'] / 1e6:.1f} M | {_kib(r['kv_bytes_per_token'])} | "
                     f"{r['metric']} "
