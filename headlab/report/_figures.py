@@ -228,8 +228,7 @@ def curves_chart(curves: dict[str, Sequence[dict]], *, metric: str,
         floor = name == _FLOOR_METHOD
         colour = _FLOOR_COLOUR if floor else _PALETTE[methods.index(name) % len(_PALETTE)]
         label = escape(name)
-        path = "".join(f"{'M' if j == 0 else 'L'}{sx(f):.1f} {sy(q):.1f}"
-                       for j, (f, q, _) in enumerate(pts))
+        path = _path([(sx(f), sy(q)) for f, q, _ in pts])
         body.append(f'<g class="series" data-method="{label}">'
                     f'<path d="{path}" stroke="{colour}" class="line'
                     f'{" floor" if floor else ""}"/>')
@@ -238,12 +237,23 @@ def curves_chart(curves: dict[str, Sequence[dict]], *, metric: str,
             body.append(f'<circle cx="{sx(f):.1f}" cy="{sy(q):.1f}" r="3" fill="{colour}">'
                         f"<title>{label}: {f * 100:.1f}% pruned{escape(heads)}, "
                         f"{escape(metric)} {_fmt(q)}</title></circle>")
-        ly = top + 8 + 18 * i
-        body.append(f'<line x1="{left + pw + 14}" x2="{left + pw + 38}" y1="{ly}" y2="{ly}" '
-                    f'stroke="{colour}" class="line{" floor" if floor else ""}"/>'
-                    f'<text x="{left + pw + 44}" y="{ly + 4}">{label}</text></g>')
+        body.append(_legend(i, label, colour, " floor" if floor else "", x=left + pw, top=top)
+                    + "</g>")
     return _svg(width, height, body, css_class="figure curve",
                 label=f"{metric} against fraction of heads pruned")
+
+
+def _path(points: Sequence[tuple[float, float]]) -> str:
+    """An SVG path through ``points`` (x, y) in order."""
+    return "".join(f"{'M' if j == 0 else 'L'}{x:.1f} {y:.1f}" for j, (x, y) in enumerate(points))
+
+
+def _legend(i: int, label: str, colour: str, css: str, *, x: float, top: float) -> str:
+    """The i-th legend entry right of a plot ending at ``x``: a line of the series'
+    colour and class (``css``: "" or " floor") and its (escaped) label."""
+    y = top + 8 + 18 * i
+    return (f'<line x1="{x + 14}" x2="{x + 38}" y1="{y}" y2="{y}" stroke="{colour}" '
+            f'class="line{css}"/><text x="{x + 44}" y="{y + 4}">{label}</text>')
 
 
 def speedup_chart(points: Sequence[dict]) -> Markup:
@@ -299,8 +309,7 @@ def speedup_chart(points: Sequence[dict]) -> Markup:
                 'text-anchor="middle" class="axis-title">speed-up (latency before / after, '
                 'x)</text>')
     for i, (name, colour, floor, pts) in enumerate(series):
-        path = "".join(f"{'M' if j == 0 else 'L'}{sx(n):.1f} {sy(v):.1f}"
-                       for j, (n, v, *_) in enumerate(pts))
+        path = _path([(sx(n), sy(v)) for n, v, *_ in pts])
         body.append(f'<g class="series" data-series="{name}"><path d="{path}" '
                     f'stroke="{colour}" class="line{floor}"/>')
         for n, v, batch, before, after in pts:
@@ -308,10 +317,7 @@ def speedup_chart(points: Sequence[dict]) -> Markup:
             body.append(f'<circle cx="{sx(n):.1f}" cy="{sy(v):.1f}" r="3" fill="{colour}" '
                         f'class="point"><title>{name} speed-up at {n:,} tokens, batch '
                         f"{batch}: {_fmt(v)}x{escape(times)}</title></circle>")
-        ly = top + 8 + 18 * i
-        body.append(f'<line x1="{left + pw + 14}" x2="{left + pw + 38}" y1="{ly}" y2="{ly}" '
-                    f'stroke="{colour}" class="line{floor}"/>'
-                    f'<text x="{left + pw + 44}" y="{ly + 4}">{name}</text></g>')
+        body.append(_legend(i, name, colour, floor, x=left + pw, top=top) + "</g>")
     return _svg(width, height, body, css_class="figure speedup",
                 label="speed-up of the pruned model against sequence length")
 
