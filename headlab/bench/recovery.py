@@ -161,10 +161,12 @@ def _row(name: str, keep: float, model, pruned: float, repaired: float,
          latency: tuple[float, float] | None, sizes: RecoverySizes) -> dict:
     """One line of the trade-off table (the unpruned model's latency is filled from its
     first comparison)."""
+    from headlab.objectives import objective_for
+
     return {"model": name, "keep": keep, "heads": sum(model.heads_per_layer),
             "params": model.num_parameters(),
             "kv_bytes_per_token": (model.kv_cache_bytes_per_token()
-                                   if model.kind == "causal-lm" else None),  # no cache
+                                   if objective_for(model).generates else None),  # no cache
             "pruned": pruned, "repaired": repaired,
             "latency_ms": None if latency is None else latency[1],
             "latency_before_ms": None if latency is None else latency[0],

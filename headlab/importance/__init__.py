@@ -207,8 +207,7 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
                                                     retain_graph=method == "taylor"))
             if method == "taylor":
                 # per batch, rank and seed its own draws, so a resumed run repeats them
-                gen = torch.Generator().manual_seed(
-                    (seed * 1_000_003 + distributed.data_rank()) * 1_000_003 + index)
+                gen = distributed.step_generator(seed, index)
                 curvature = [None if g is None else torch.zeros_like(g) for g in grads]
                 pairs = objective.curvature_probes(model, out, batch, probes, gen)
                 for j, (output, cotangent) in enumerate(pairs):

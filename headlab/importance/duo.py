@@ -192,8 +192,7 @@ def streaming_gates(model: HeadModel, blocks: Blocks, *, sinks: int = 4, window:
                              "opt": opt.state_dict()})
 
     def train_step(step: int) -> None:
-        gen = torch.Generator().manual_seed(
-            (seed * 1_000_003 + distributed.data_rank()) * 1_000_003 + step)
+        gen = distributed.step_generator(seed, step)
         ids, rows = passkey_prompt(stream, model.tokenizer, length=length, generator=gen)
         ids = ids[None].to(model.device)  # (1, S)
         with torch.no_grad():  # the model as it came

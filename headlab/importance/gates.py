@@ -183,8 +183,7 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
             a.gate_override = None
         with torch.no_grad():  # the model as it came, every active gate at 1
             t_out = objective.forward(model, batch)
-        gen = torch.Generator().manual_seed(
-            (seed * 1_000_003 + distributed.data_rank()) * 1_000_003 + step)
+        gen = distributed.step_generator(seed, step)
         u = torch.rand(B, n_units, generator=gen).clamp(EPS, 1 - EPS)
         z = torch.cat([sample(log_alpha, u), torch.zeros(B, 1)], 1)  # (B, U + 1)
         for a, index in zip(model.attentions, unit_of, strict=True):

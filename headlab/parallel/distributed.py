@@ -65,6 +65,12 @@ def data_rank() -> int:
     return rank() if data_parallel() else 0
 
 
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The random draws of one step (a batch, a training step) of a seeded run: its own
+    per data rank, and the same again when a resumed run repeats that step."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + data_rank()) * 1_000_003 + step)
+
+
 def is_main() -> bool:
     return rank() == 0
 

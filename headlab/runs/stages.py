@@ -323,7 +323,7 @@ class Stage:
                             seed=cfg.seed)
         plan = select_groups(scores, kv_groups(model), n_keep, per_layer=cfg.per_layer,
                              # a gate is its group's: each of its heads carries it
-                             group_score="max" if self.alphas else cfg.group_score)
+                             group_score="max" if cfg.demote_by == "gates" else cfg.group_score)
         with trial(model, plan):
             removed = evaluate(model, self.heldout, batch_size=cfg.batch_size)
         return plan, removed.value
