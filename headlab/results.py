@@ -70,6 +70,8 @@ class Latency(BeforeAfter[float]):
     batch: int | None = None
     seq_len: int | None = None
     by_length: list[LengthLatency] = field(default_factory=list)
+    # the machine's 1-minute load average when timed: above its cores, the times are noisy
+    load_average: float | None = None
 
 
 @dataclass
@@ -258,7 +260,8 @@ class RunResult:
                 [LengthLatency(_float(x.get("before")), _float(x.get("after")),
                                _int(x.get("batch")), _int(x.get("seq_len")),
                                _float(x.get("predicted_drop")))
-                 for x in latency.get("by_length") or [] if isinstance(x, dict)]),
+                 for x in latency.get("by_length") or [] if isinstance(x, dict)],
+                _float(latency.get("load_average"))),
             kv_cache_bytes_per_token=BeforeAfter(
                 _int(_section(d, "kv_cache_bytes_per_token").get("before")),
                 _int(_section(d, "kv_cache_bytes_per_token").get("after"))),

@@ -138,6 +138,7 @@ def prune_to_target(
     group_score: str = "sum",
     recover: str | None = None,
     recover_kwargs: Mapping | None = None,
+    scores: HeadScores | None = None,
 ) -> ScheduleResult:
     """Score, mask and re-score down to ``n_keep`` heads; record held-out quality per step.
 
@@ -158,6 +159,10 @@ def prune_to_target(
     the copy repaired toward ``model`` on ``scoring``; the step's quality is that of
     the repaired copy, and the next scoring scores it. Each step's copy starts again
     from ``model``, so the last step's is what `prune` then ``recover`` of the plan give.
+
+    ``scores``: heads (or groups) chosen by these, computed elsewhere (a detector's, or
+    DuoAttention's gates), instead of by scoring; ``method`` then names them in the
+    checkpoint. Nothing re-scores them, so the schedule must be ``one-shot``.
     """
     if schedule not in ("iterative", "one-shot"):
         raise UserError(f"schedule must be 'iterative' or 'one-shot', got {schedule!r}")
@@ -172,6 +177,9 @@ def prune_to_target(
     if not 1 <= n_keep <= total:
         raise UserError(f"n_keep must be between 1 and {total} {what} (the model has "
                         f"{total}), got {n_keep}")
+    if scores is not None and schedule != "one-shot":
+        raise UserError("scores given to prune_to_target are not re-scored: use "
+                        "schedule='one-shot'")
     if recover is not None and recover not in TRAINING_FREE:
         raise UserError(f"recovery after each step takes a method that needs no training "
                         f"({', '.join(TRAINING_FREE)}), got {recover!r}")
@@ -196,6 +204,8 @@ def prune_to_target(
         return point
 
     def scored(i: int) -> HeadScores:  # the i-th scoring, under the current mask
+        if scores is not None:
+            return scores
         return score(current, scoring, method=method, batch_size=batch_size, seed=seed + i,
                      checkpoint=checkpoint, checkpoint_key=f"{key}/score{i}",
                      **({"target": n_keep, "unit": unit} if method in TARGETED else {}), **kw)

@@ -285,3 +285,26 @@ def test_prune_and_repair_then_eval_gives_the_stated_quality(tiny_gpt2_dir, tmp_
                  "--json")
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["value"] == pytest.approx(q["after"], rel=1e-5)
+
+
+def test_prune_on_a_busy_machine_warns_and_records_the_load(tiny_gpt2_dir, tmp_path,
+                                                              monkeypatch, caplog):
+    """The latency a prune run prints is as noisy as the machine: a load beyond the cores
+    gets the benchmarks' warning, and results.json keeps the load the times were taken at."""
+    import os
+
+    from headlab.runs.config import RunConfig
+    from headlab.runs.pipeline import run
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    _, result = run(RunConfig(model=str(tiny_gpt2_dir), keep=0.5, recover="none",
+                              max_tokens=512, seq_len=32, out=str(tmp_path / "run")))
+    assert "the machine is busy (load average 99.0" in caplog.text
+    assert result.latency_ms.load_average == 99.0
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["latency_ms"]["load_average"] == 99.0
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    caplog.clear()
+    _, quiet = run(RunConfig(model=str(tiny_gpt2_dir), keep=0.5, recover="none",
+                             max_tokens=512, seq_len=32, out=str(tmp_path / "quiet")))
+    assert quiet.latency_ms.load_average == 0.0 and "machine is busy" not in caplog.text

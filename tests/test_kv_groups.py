@@ -229,7 +229,7 @@ def test_demote_by_a_detector_demotes_its_lowest_scoring_groups(gqa_dir, tmp_pat
     from headlab.pruning import trial
     from headlab.runs.inputs import build_data, load_model
     from headlab.runs.pipeline import run
-    from headlab.runs.stages import Stage
+    from headlab.selection import kv_groups, select_groups
 
     cfg = RunConfig(model=str(gqa_dir), unit="kv-group", kv_keep=0.5, demote=True,
                     demote_by="sink", group_score=group_score, sinks=2, window=8,
@@ -250,11 +250,14 @@ def test_demote_by_a_detector_demotes_its_lowest_scoring_groups(gqa_dir, tmp_pat
     assert kv.selection == "sink detector"
     assert result.kept_heads == {layer: [h for h in range(6) if h not in lowest.get(layer, [])]
                                  for layer in range(2)}
+    # the detector chose alone: its scores are the run's, no --method schedule ran
+    assert torch.allclose(torch.tensor(result.importance, dtype=torch.float64),
+                          scores.double(), equal_nan=True)
     # "removed instead" is the held-out quality with the detector's groups masked
     model = load_model(cfg.validated())
     _, heldout, _ = build_data(cfg, model)
-    stage = Stage(cfg, out, model, heldout, heldout, 32)
-    with trial(model, stage._demotion(None, 3)[0]):
+    detected = detect(model, "sink", seq_len=128, seed=0)
+    with trial(model, select_groups(detected, kv_groups(model), 3, group_score=group_score)):
         expected = headlab.evaluate(model, heldout, batch_size=cfg.batch_size).value
     assert kv.quality_removed == pytest.approx(expected, rel=1e-6)
     assert "chosen by sink detector" in (out / "report.html").read_text()

@@ -338,6 +338,22 @@ def test_plan_at_is_the_shorter_runs_plan(tiny_gpt2, data, schedule):
         long.plan_at(3)
 
 
+def test_given_scores_choose_without_scoring(tiny_gpt2, data, table, monkeypatch):
+    """Scores computed elsewhere (a detector's, DuoAttention's gates) choose the heads one
+    shot, as `select` of them does, and nothing is scored; they are never re-scored, so
+    an iterative schedule is refused."""
+    import headlab.schedule
+
+    scoring, heldout = data
+    monkeypatch.setattr(headlab.schedule, "score", lambda *a, **k: pytest.fail("scored"))
+    res = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=5, step=0.25,
+                          schedule="one-shot", scores=table, method="sink", batch_size=4)
+    assert _pruned_set(res.plan) == _pruned_set(select(table, 5))
+    assert res.scores is table and len(res.curve) == 4  # 12, 9, 6, 5 heads measured
+    with pytest.raises(UserError, match="not re-scored: use schedule='one-shot'"):
+        prune_to_target(tiny_gpt2, scoring, heldout, n_keep=5, scores=table)
+
+
 def test_schedule_arguments_are_checked(tiny_gpt2, data):
     scoring, heldout = data
     with pytest.raises(UserError, match="schedule must be 'iterative' or 'one-shot'"):

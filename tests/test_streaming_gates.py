@@ -206,4 +206,10 @@ def test_demote_by_gates_records_the_gates_and_demotes_the_lowest(gqa_dir, tmp_p
     for _, layer, g in ranked[3:]:
         lowest[layer] = sorted(lowest.get(layer, []) + [2 * g, 2 * g + 1])
     assert {int(k): v for k, v in kv["demoted"].items()} == lowest
-    assert "chosen by gates" in (out / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    flat = [a for row in alphas for a in row]
+    assert f"chosen by gates, kv-group; gate alphas {min(flat):.2f} to {max(flat):.2f}" in html
+    # the run's scores are the gates: each head carries its group's alpha, no michel ran
+    assert data["method"] == "gates" and data["schedule"] == "one-shot"
+    assert [row[h // 2] for row in alphas for h in range(6)] == pytest.approx(
+        [v for row in data["importance"] for v in row], abs=1e-6)

@@ -93,6 +93,18 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def busy() -> str | None:
+    """Why timings taken now would be noisy (other processes hold the cores), or None:
+    the one warning the benchmarks and a prune run's latency give."""
+    load = load_average()
+    if not load > cores() - 0.5:
+        return None
+    return (f"the machine is busy (load average {load:.1f} on {cores()} cores): timings "
+            "will be noisy, and OpenMP threads that spin while a sibling is preempted can "
+            "make multi-threaded forwards several times slower; OMP_WAIT_POLICY=PASSIVE "
+            "(set before starting) or HEADLAB_BENCH_THREADS=1 avoid that")
+
+
 @contextlib.contextmanager
 def pinned_threads(threads: int | None = None) -> Iterator[int]:
     """Fix torch's intra-op threads for a block: ``threads``, else the

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from headlab._util.io import atomic_write_json, atomic_write_text
-from headlab._util.timing import cores, load_average, machine_info, pinned_threads
+from headlab._util.timing import busy, cores, load_average, machine_info, pinned_threads
 from headlab.bench._common import BenchResult, Figure, Target, markdown_table, versions
 from headlab.bench._models import TINY_BERT, TINY_GPT2, TINY_LLAMA, ModelCache, ModelSpec
 from headlab.bench.attention import AttentionSizes, bench_attention
@@ -177,12 +177,8 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
     context = {"preset": preset, "device": device, "versions": versions(),
                "date": datetime.now(UTC).isoformat(timespec="seconds")}
     loads = [load_average()]
-    if loads[0] > cores() - 0.5:
-        log.warning("the machine is busy (load average %.1f on %d cores): timings will be "
-                    "noisy, and OpenMP threads that spin while a sibling is preempted can make "
-                    "multi-threaded forwards several times slower; OMP_WAIT_POLICY=PASSIVE "
-                    "(set before starting) or HEADLAB_BENCH_THREADS=1 avoid that",
-                    loads[0], cores())
+    if (why := busy()) is not None:
+        log.warning(why)
     results: list[BenchResult] = []
     cache = ModelCache(device)
     t_all = time.perf_counter()

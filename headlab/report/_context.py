@@ -147,6 +147,9 @@ def kv_cache_rows(result: RunResult) -> list[dict]:
         n = sum(len(v) for v in kv.demoted.values())
         note = (f"sinks {kv.sinks} + window {kv.window}; chosen by {kv.selection}, "
                 f"{kv.unit}")
+        if kv.alphas:  # DuoAttention's: the importance map shows each group's
+            alphas = [a for row in kv.alphas for a in row]
+            note += f"; gate alphas {min(alphas):.2f} to {max(alphas):.2f}"
         rows.append(_row("demoted (streaming) heads", 0, n, _count, note=note))
         q = result.quality
         if kv.quality_removed is not None:

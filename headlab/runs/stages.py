@@ -18,6 +18,7 @@ from headlab import __version__
 from headlab._util.checkpoint import Checkpoint
 from headlab._util.io import atomic_dir, atomic_write_json
 from headlab._util.progress import spinner, track
+from headlab._util.timing import busy, load_average
 from headlab.analysis.overview import overview
 from headlab.data.blocks import Blocks
 from headlab.data.texts import BUNDLED_SPEC, BUNDLED_WARNING
@@ -32,7 +33,7 @@ from headlab.models.export import export_hf, hf_expressible
 from headlab.models.flops import count_flops
 from headlab.objectives import objective_for
 from headlab.parallel.sharding import load_sharded, save_sharded
-from headlab.pruning import copy_model, demote, demoted_heads, prune, trial
+from headlab.pruning import copy_model, demote, demoted_heads, prune
 from headlab.recovery import recover
 from headlab.results import (
     BeforeAfter,
@@ -46,7 +47,7 @@ from headlab.runs.config import RunConfig
 from headlab.runs.inputs import data_separation
 from headlab.runs.placement import Placement
 from headlab.schedule import prune_to_target
-from headlab.selection import PrunePlan, kv_groups, select_groups
+from headlab.selection import PrunePlan
 
 if TYPE_CHECKING:
     from headlab.evaluate.needle import NeedleResult
@@ -142,9 +143,10 @@ class Stage:
         """The run's RunResult: what every run records, plus what this one measured."""
         cfg, model, scoring, heldout = self.cfg, self.model, self.scoring, self.heldout
         return RunResult(
-            model=cfg.model, method=cfg.method, importance=scores.scores,
+            model=cfg.model, method=cfg.demote_by or cfg.method, importance=scores.scores,
             heads_total=model.n_layers * model.n_original_heads, family=model.family,
-            kind=model.kind, schedule=cfg.schedule if cfg.command == "prune" else None,
+            kind=model.kind, schedule=None if cfg.command != "prune" else "one-shot"
+            if cfg.demote_by else cfg.schedule,
             keep=cfg.keep,
             data=DataSummary(
                 spec=scoring.spec, scoring_tokens=scoring.n_tokens,
@@ -190,15 +192,21 @@ class Stage:
             # the run's options where they apply: per-token gates to michel and fisher only
             curves[method] = self._schedule(method, n_keep, per_token=(
                 cfg.per_token and method in PER_TOKEN_METHODS)).curve
-        log.info("scoring and pruning with %s (%s)", cfg.method, cfg.schedule)
-        res = self._schedule(cfg.method, n_keep, per_token=cfg.per_token, on_step=lambda p:
-                             log.info("  %.0f%% pruned: quality %.4g",
-                                      100 * p.fraction_pruned, p.quality))
-        curves[cfg.method] = res.curve
+        def on_step(p):
+            log.info("  %.0f%% pruned: quality %.4g", 100 * p.fraction_pruned, p.quality)
+
+        if cfg.demote_by is None:
+            log.info("scoring and pruning with %s (%s)", cfg.method, cfg.schedule)
+            res = self._schedule(cfg.method, n_keep, per_token=cfg.per_token,
+                                 on_step=on_step)
+        else:  # the chooser's scores, once; the curve removes the groups in their order
+            res = self._schedule(cfg.demote_by, n_keep, per_token=False, on_step=on_step,
+                                 scores=self._demote_scores())
+        curves[cfg.demote_by or cfg.method] = res.curve
         # the model stays as it came: the reference for timing, overview and repair
         plan, quality_removed = res.plan, None
         if cfg.demote:  # the groups the plan would remove keep a sink + window cache
-            plan, quality_removed = self._demotion(res, n_keep)
+            quality_removed = res.curve[-1].quality  # as measured with them removed
             pruned = demote(copy_model(model), plan.as_demotion(), sinks=cfg.sinks,
                             window=cfg.window)
         else:
@@ -268,6 +276,9 @@ class Stage:
         if long > short:
             shapes.append((1, long, LONG_LATENCY_ROUNDS))
         rows = []
+        load = load_average()
+        if (why := busy()) is not None:
+            log.warning(why)
         with spinner("timing the pruned model against the unpruned one"):
             for batch, seq_len, rounds in shapes:
                 t_before, t_after = compare_latency(self.model, pruned, batch, seq_len,
@@ -277,7 +288,7 @@ class Stage:
                 rows.append(LengthLatency(t_before, t_after, batch=batch, seq_len=seq_len,
                                           predicted_drop=drop))
         return Latency(rows[0].before, rows[0].after, batch=cfg.latency_batch,
-                       seq_len=short, by_length=rows)
+                       seq_len=short, by_length=rows, load_average=load)
 
     def _save(self, pruned: HeadModel, *, repaired: bool) -> None:
         """model/: whole on rank 0, or block by block by every shard once repaired (an
@@ -301,32 +312,20 @@ class Stage:
         log.warning(note)
         return note
 
-    def _demotion(self, res, n_keep: int) -> tuple[PrunePlan, float]:
-        """The groups to demote, and the held-out quality with them removed instead: the
-        groups the schedule removed (its last masked point), or with --demote-by the
-        ``n_keep`` groups the detector scores highest keep their full cache and the rest
-        are demoted (a group's score: --group-score of its query heads'); with
-        --demote-by gates, the ``n_keep`` groups whose DuoAttention gates end highest,
-        trained on passkey prompts from the scoring split (`importance.duo`)."""
+    def _demote_scores(self) -> HeadScores:
+        """--demote-by's scores: the detector's, or DuoAttention's gates trained on passkey
+        prompts from the scoring split (`importance.duo`); the highest keep a full cache."""
         cfg, model = self.cfg, self.model
-        if cfg.demote_by is None:
-            return res.plan, res.curve[-1].quality
         if cfg.demote_by == "gates":
             log.info("choosing the demoted groups by DuoAttention's gates")
             scores = streaming_gates(model, self.scoring, sinks=cfg.sinks, window=cfg.window,
                                      steps=cfg.gate_steps, lr=cfg.gate_lr, reg=cfg.gate_reg,
                                      seed=cfg.seed, checkpoint=self.checkpoint)
             self.alphas = scores.extra["alphas"]
-        else:
-            log.info("choosing the demoted groups by the %s detector", cfg.demote_by)
-            scores = detect(model, cfg.demote_by, seq_len=min(128, model.max_positions),
-                            seed=cfg.seed)
-        plan = select_groups(scores, kv_groups(model), n_keep, per_layer=cfg.per_layer,
-                             # a gate is its group's: each of its heads carries it
-                             group_score="max" if cfg.demote_by == "gates" else cfg.group_score)
-        with trial(model, plan):
-            removed = evaluate(model, self.heldout, batch_size=cfg.batch_size)
-        return plan, removed.value
+            return scores
+        log.info("choosing the demoted groups by the %s detector", cfg.demote_by)
+        return detect(model, cfg.demote_by, seq_len=min(128, model.max_positions),
+                      seed=cfg.seed)
 
     def _kv_cache(self, pruned: HeadModel, quality_removed: float | None) -> KVCacheReport:
         """The cache before and after: bytes per token at the evaluation length and the
@@ -382,15 +381,20 @@ class Stage:
             result.versions["lm_eval"] = lm_eval_version()
         result.tasks, result.needle = tasks, needle
 
-    def _schedule(self, method: str, n_keep: int, *, per_token: bool, on_step=None):
+    def _schedule(self, method: str, n_keep: int, *, per_token: bool, on_step=None,
+                  scores: HeadScores | None = None):
+        """The run's schedule with ``method``; given ``scores`` (--demote-by's), one shot
+        on them, a gate's group scored by its max (each of its heads carries the gate)."""
         cfg = self.cfg
         return prune_to_target(
             self.model, self.scoring, self.heldout, method=method, n_keep=n_keep,
-            schedule=cfg.schedule, step=cfg.step, per_layer=cfg.per_layer,
+            schedule="one-shot" if scores is not None else cfg.schedule, scores=scores,
+            step=cfg.step, per_layer=cfg.per_layer,
             min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
             seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
             checkpoint=self.checkpoint, on_step=on_step, unit=cfg.unit,
-            group_score=cfg.group_score,
+            group_score="max" if method == "gates" and scores is not None
+            else cfg.group_score,
             **({"recover": cfg.recover, "recover_kwargs": self._recover_options()}
                if cfg.recover_every_step else {}))
 
