@@ -1,9 +1,10 @@
-"""Physical pruning by a plan, and trial masks that always come off.
+"""Physical pruning by a plan, demotion, and trial masks that always come off.
 
-`prune` removes a plan's heads from a model (their weights leave it). `trial` masks a
-plan's heads for the length of a ``with`` block, to measure the model as the plan
-would leave it, and puts every gate back on leaving: the plan, not the gates, is what
-passes from selection to pruning.
+`prune` removes a plan's heads from a model (their weights leave it). `demote` keeps
+them with a sink + window cache instead, and `demotion_scores` are what can choose
+those groups besides an importance method. `trial` masks a plan's heads for the length
+of a ``with`` block, to measure the model as the plan would leave it, and puts every
+gate back on leaving: the plan, not the gates, is what passes from selection to pruning.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ from collections.abc import Iterator
 
 import torch
 
+from headlab._util.checkpoint import Checkpoint
 from headlab._util.checks import check_instance
 from headlab.attention.streaming import Streaming
+from headlab.data.blocks import Blocks
+from headlab.detectors import detect
 from headlab.errors import UserError
+from headlab.importance import HeadScores
+from headlab.importance.duo import streaming_gates
 from headlab.models.base import HeadModel
 from headlab.selection import PrunePlan, kv_groups
 
@@ -66,6 +72,26 @@ def demote(model: HeadModel, plan: PrunePlan, *, sinks: int = 4, window: int = 2
         else:
             attn.streaming = None
     return target
+
+
+def demotion_scores(model: HeadModel, by: str, blocks: Blocks, *, sinks: int, window: int,
+                    seed: int = 0, checkpoint: Checkpoint | None = None,
+                    **gate_options) -> HeadScores:
+    """Scores that choose the groups to demote, the highest keeping their full cache: a
+    decoder head-type detector's (``by`` a kind, e.g. ``"retrieval"``, on the model's own
+    probes of up to 128 tokens), or DuoAttention's gates (``by="gates"``) trained on
+    passkey prompts from ``blocks`` (`headlab.importance.duo.streaming_gates`, with
+    ``gate_options``); group them by `demotion_group_score`."""
+    if by == "gates":
+        return streaming_gates(model, blocks, sinks=sinks, window=window, seed=seed,
+                               checkpoint=checkpoint, **gate_options)
+    return detect(model, by, seq_len=min(128, model.max_positions), seed=seed)
+
+
+def demotion_group_score(by: str, group_score: str) -> str:
+    """How `demotion_scores` by ``by`` score a group: a gate is its group's (each of its
+    heads carries it), so its max; a detector's per-head scores by ``group_score``."""
+    return "max" if by == "gates" else group_score
 
 
 def check_plan(model: HeadModel, plan: PrunePlan) -> None:

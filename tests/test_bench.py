@@ -206,22 +206,26 @@ def test_references_compute_the_same_function(tiny_run):
     assert gen["kernel_and_torch_products_agree_before_first_difference"] == 8
     # the tiny random Llama has no tokenizer: no needle, and the run says so
     assert gen["long_needle"] == "not measured: the model has no tokenizer"
+    assert gen["long_choosers"] == dict.fromkeys(("retrieval", "gates"),
+                                                 "not measured: the model has no tokenizer")
 
 
 def test_long_context_needle_runs_the_same_prompts_on_the_three_models(gqa_dir):
-    """The needle half on a tiny Llama with a tokenizer: one grid per model, past the
-    demoted heads' 2 sinks + 8 window; a random model finds no needle, so removal loses
+    """The needle half on a tiny Llama with a tokenizer: one grid per model (the groups
+    demoted as michel, the retrieval detector and the gates choose them), past the
+    demoted heads' 2 sinks + 18 window; a random model finds no needle, so removal loses
     nothing and the target is not judged rather than passed."""
     import headlab
     from headlab.bench.long_context import LongContextSizes, long_context_section
 
-    sizes = LongContextSizes(contexts=(32,), steps=2, sinks=2, window=8, scoring_tokens=64,
+    sizes = LongContextSizes(contexts=(32,), steps=2, sinks=2, window=18, scoring_tokens=64,
                              scoring_seq=32, needle_lengths=(64, 128, 1024),
-                             needle_depths=(0.0, 0.5, 1.0), needle_trials=2)
+                             needle_depths=(0.0, 0.5, 1.0), needle_trials=2, gate_steps=3)
     res = BenchResult.of_sizes("generate", sizes)
     long_context_section(res, headlab.load(gqa_dir), sizes, "cpu")
     grids = res.checks["long_needle"]
-    assert set(grids) == {"before", "pruned", "demoted"}
+    assert set(grids) == {"before", "pruned", "demoted", "demoted_by_retrieval",
+                          "demoted_by_gates"}
     for grid in grids.values():  # 1024 is past the model's 256 positions: left out
         assert grid["lengths"] == [64, 128] and grid["depths"] == [0.0, 0.5, 1.0]
         assert grid["trials"] == 2 and grid["filler"].startswith("the held-out tokens")
@@ -235,6 +239,43 @@ def test_long_context_needle_runs_the_same_prompts_on_the_three_models(gqa_dir):
     assert res.checks["long_needle_target"].startswith("not judged: removing the groups "
                                                        "lost nothing")
     assert "long_context_needle" in res.method
+    # each chooser demotes as many groups (3 of 6) as michel, the ones it scores lowest
+    from headlab.detectors import detect
+    from headlab.selection import kv_groups, select_groups
+
+    model = headlab.load(gqa_dir)
+    chosen = res.checks["long_choosers"]
+    plan = select_groups(detect(model, "retrieval", seq_len=128, seed=0), kv_groups(model), 3)
+    assert chosen["retrieval"]["demoted"] == {str(k): v for k, v in plan.pruned.items() if v}
+    alphas = chosen["gates"]["alphas"]  # (L, H_kv): the 3 groups with the lowest demoted
+    ranked = sorted((a, layer, g) for layer, row in enumerate(alphas) for g, a in enumerate(row))
+    assert ranked[2][0] < ranked[3][0]
+    lowest = {(layer, g) for _, layer, g in ranked[:3]}
+    demoted = {(int(layer), h // 2) for layer, heads in chosen["gates"]["demoted"].items()
+               for h in heads}
+    assert demoted == lowest and chosen["gates"]["seconds"] > 0
+    for name in ("demoted_by_retrieval", "demoted_by_gates"):
+        assert res.checks["long_perplexity"][name] > 0
+
+
+@pytest.mark.parametrize(("name", "prefix", "target"), [
+    ("demoted_by_gates", "long_needle", 0.25), ("demoted_by_gates", "long_quality", 0.05),
+    ("demoted_by_retrieval", "long_needle", None)])
+def test_the_gates_demotion_targets_and_the_retrieval_ratio_reported(name, prefix, target):
+    """DuoAttention's groups are held to issue 34's bars (needle 0.25, perplexity 0.05 of
+    removal's loss); the retrieval detector's ratio is reported without a target."""
+    from headlab.bench.long_context import _lost_ratio
+
+    res = BenchResult("generate")
+    _lost_ratio(res, prefix, removed=2.0, demoted=0.2, what="x", name=name)
+    figure = f"{prefix}_lost_{name}_over_removed"
+    assert res.figures[figure].median == pytest.approx(0.1, rel=1e-12)
+    if target is None:
+        assert res.targets == []
+    else:
+        (t,) = res.targets
+        assert (t.figure, t.target, t.op, t.meets) == (figure, target, "<=",
+                                                       0.1 <= target)
 
 
 @pytest.mark.parametrize(("removed", "demoted", "ratio", "meets"), [

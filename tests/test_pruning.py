@@ -484,7 +484,7 @@ def test_versus_random_takes_named_variants_and_keeps_options_from_random(tiny_g
 def test_compare_latency_times_both_models_in_the_same_rounds(tiny_gpt2, tiny_gpt2_dir):
     """A model made 20 ms slower per forward is measured 20 ms slower, and each model is
     called once per round after one warm-up (alternating, so a slow spell hits both)."""
-    from headlab.runs.stages import compare_latency
+    from headlab.evaluate.latency import compare_latency
 
     slow = headlab.load(tiny_gpt2_dir)
     calls = []

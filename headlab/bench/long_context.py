@@ -12,12 +12,15 @@ cache fits in the budget the unpruned model's takes at ``headroom_rows`` rows
 (`headlab.evaluate.cache.max_batch`), checked by decoding that batch, and its tokens/s;
 held-out perplexity of one long block; and needle-in-a-haystack accuracy
 (`headlab.evaluate.needle`, its filler the held-out text) on a grid of lengths, by
-default past the demoted heads' sinks + window.
+default past the demoted heads' sinks + window. The same number of groups demoted as the
+retrieval detector and DuoAttention's gates choose them (`headlab.pruning.
+demotion_scores`) is judged on the same perplexity and needle, each against removal.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from headlab.bench._common import BenchResult
+from headlab.importance.gates import DEFAULT_STEPS as GATE_STEPS
 
 __all__ = ["LongContextSizes", "long_context_section"]
 
@@ -32,6 +36,8 @@ __all__ = ["LongContextSizes", "long_context_section"]
 SPEEDUP_TARGET = 0.8
 # perplexity (and needle accuracy) lost by demoting the groups / lost by removing them
 QUALITY_TARGET = 0.5
+# the same for the groups DuoAttention's gates choose (issue 34): (needle, perplexity)
+GATES_TARGETS = {"long_needle": 0.25, "long_quality": 0.05}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +60,10 @@ class LongContextSizes:
     needle_trials: int = 2
     headroom_context: int = 2048  # capped by the model's positions
     headroom_rows: int = 2  # the budget: the unpruned model's cache at this many rows
+    # what else chooses groups to demote, beside michel (`headlab.pruning.demotion_scores`)
+    # and DuoAttention's gates' training steps
+    choosers: tuple[str, ...] = ("retrieval", "gates")
+    gate_steps: int = GATE_STEPS
 
 
 def _tokens(model, n: int, seed: int) -> tuple[torch.Tensor, str]:
@@ -132,6 +142,9 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
     demoted = demote(copy_model(model), plan.as_demotion(), sinks=sizes.sinks,
                      window=sizes.window)
     models = {"before": model, "pruned": pruned, "demoted": demoted}
+    # the same number of groups demoted as other scores choose them: judged on quality
+    chosen = _chosen_by(res, model, Blocks(scoring, torch.ones_like(scoring)),
+                        heads_to_keep(n_groups, keep=sizes.kv_keep), sizes)
     res.method["long_context"] = (
         f"michel scores on {n_blocks} blocks of {sizes.scoring_seq} tokens ({source}); "
         f"kv-group pruning keeps {sizes.kv_keep} of the {n_groups} groups (group score = "
@@ -174,13 +187,54 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
                         f"groups at {longest} tokens / the speed-up the attention share "
                         f"({share:.2f}) predicts ({predicted:.2f}x)")
     _headroom(res, models, sizes)
-    ppl = {name: _perplexity(m, heldout) for name, m in models.items()}
+    judged = {**models, **chosen}
+    ppl = {name: _perplexity(m, heldout) for name, m in judged.items()}
     res.checks["long_perplexity"] = ppl
-    _lost_ratio(res, "long_quality", removed=ppl["pruned"] - ppl["before"],
-                demoted=ppl["demoted"] - ppl["before"],
-                what=f"held-out perplexity lost at {quality_len} tokens: demoting the "
-                     "groups / removing them")
-    _needle_half(res, models, held, sizes, source)
+    for name in ["demoted", *chosen]:
+        _lost_ratio(res, "long_quality", removed=ppl["pruned"] - ppl["before"],
+                    demoted=ppl[name] - ppl["before"], name=name,
+                    what=f"held-out perplexity lost at {quality_len} tokens: demoting the "
+                         f"groups {_by(name)} / removing michel's")
+    _needle_half(res, judged, held, sizes, source)
+
+
+def _by(name: str) -> str:
+    """``demoted`` or ``demoted_by_<chooser>``: what chose the groups, in words."""
+    return "michel chose" if name == "demoted" else f"{name.removeprefix('demoted_by_')} chose"
+
+
+def _chosen_by(res: BenchResult, model, scoring, n_keep: int,
+               sizes: LongContextSizes) -> dict[str, Any]:
+    """``{"demoted_by_<chooser>": model}``: the model with the ``n_keep`` groups each of
+    ``sizes.choosers`` scores highest kept whole and the rest demoted; the groups and,
+    for the gates, the training seconds and alphas in ``res.checks``."""
+    from headlab.pruning import copy_model, demote, demotion_group_score, demotion_scores
+    from headlab.selection import kv_groups, select_groups
+
+    out, checks = {}, {}
+    for by in sizes.choosers:
+        if model.tokenizer is None:  # the detectors' probes and the passkey prompts
+            checks[by] = "not measured: the model has no tokenizer"
+            continue
+        t0 = time.perf_counter()
+        scores = demotion_scores(model, by, scoring, sinks=sizes.sinks, window=sizes.window,
+                                 **({"steps": sizes.gate_steps} if by == "gates" else {}))
+        seconds = time.perf_counter() - t0
+        plan = select_groups(scores, kv_groups(model), n_keep,
+                             group_score=demotion_group_score(by, "sum"))
+        out[f"demoted_by_{by}"] = demote(copy_model(model), plan.as_demotion(),
+                                         sinks=sizes.sinks, window=sizes.window)
+        checks[by] = {"demoted": {str(k): v for k, v in plan.pruned.items() if v},
+                      "seconds": seconds, **({"alphas": scores.extra["alphas"]}
+                                             if by == "gates" else {})}
+    res.checks["long_choosers"] = checks
+    res.method["long_context_choosers"] = (
+        f"the same number of groups demoted as chosen by {', '.join(sizes.choosers)} "
+        "(headlab.pruning.demotion_scores: a detector on its own probes, DuoAttention's "
+        f"gates trained {sizes.gate_steps} steps on passkey prompts from the scoring "
+        "tokens, a group scored by its max gate) and judged on held-out perplexity and the "
+        "needle against removing michel's groups")
+    return out
 
 
 def _headroom(res: BenchResult, models: dict[str, Any], sizes: LongContextSizes) -> None:
@@ -248,26 +302,30 @@ def _needle_half(res: BenchResult, models: dict[str, Any], held: torch.Tensor,
     for name, g in grids.items():
         res.add(f"long_{name}_needle_accuracy", [g.mean], "fraction")
     before = grids["before"].mean
-    _lost_ratio(res, "long_needle", removed=before - grids["pruned"].mean,
-                demoted=before - grids["demoted"].mean,
-                what=f"needle accuracy lost at {'/'.join(map(str, lengths))} tokens: "
-                     "demoting the groups / removing them")
+    for name in [n for n in grids if n.startswith("demoted")]:
+        _lost_ratio(res, "long_needle", removed=before - grids["pruned"].mean,
+                    demoted=before - grids[name].mean, name=name,
+                    what=f"needle accuracy lost at {'/'.join(map(str, lengths))} tokens: "
+                         f"demoting the groups {_by(name)} / removing michel's")
 
 
 def _lost_ratio(res: BenchResult, prefix: str, *, removed: float, demoted: float,
-                what: str) -> None:
-    """The target ``<prefix>_lost_demoted_over_removed`` <= `QUALITY_TARGET`: what
-    demoting the groups loses over what removing them loses. Where removal loses
-    nothing the ratio is undefined: no figure and no target, and the check
+                what: str, name: str = "demoted") -> None:
+    """The target ``<prefix>_lost_<name>_over_removed``: what demoting the groups (michel's,
+    or ``demoted_by_<chooser>``'s) loses over what removing michel's loses, at most
+    `QUALITY_TARGET` (michel's), `GATES_TARGETS` (the gates'), or reported only. Where
+    removal loses nothing the ratio is undefined: no figure and no target, and the check
     ``<prefix>_target`` says so (it is not a pass)."""
     if not removed > 0:
         res.checks[f"{prefix}_target"] = (
             f"not judged: removing the groups lost nothing ({removed:+.4g}; demoting "
             f"them {demoted:+.4g}), so the ratio is undefined")
         return
-    res.add(f"{prefix}_lost_demoted_over_removed", [demoted / removed], "x")
-    res.add_target(f"{prefix}_lost_demoted_over_removed", target=QUALITY_TARGET, op="<=",
-                   what=what)
+    figure = f"{prefix}_lost_{name}_over_removed"
+    res.add(figure, [demoted / removed], "x")
+    target = {"demoted": QUALITY_TARGET, "demoted_by_gates": GATES_TARGETS.get(prefix)}
+    if target.get(name) is not None:
+        res.add_target(figure, target=target[name], op="<=", what=what)
 
 
 def _cache_figures(res: BenchResult, models: dict[str, Any], caches: dict[str, Any],

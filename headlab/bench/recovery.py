@@ -142,8 +142,8 @@ class _Measured:
 
 def _prune_and_repair(model, plan, scoring, heldout, sizes: RecoverySizes) -> _Measured:
     import headlab
+    from headlab.evaluate.latency import compare_latency
     from headlab.pruning import copy_model, prune
-    from headlab.runs.stages import compare_latency
 
     pruned = prune(copy_model(model), plan)
     q_pruned = headlab.evaluate(pruned, heldout, batch_size=sizes.batch).value

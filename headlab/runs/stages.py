@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import shutil
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,15 +24,22 @@ from headlab.data.texts import BUNDLED_SPEC, BUNDLED_WARNING
 from headlab.detectors import detect, kinds_for
 from headlab.errors import UserError
 from headlab.evaluate.cache import KVCacheReport, measure_decode
+from headlab.evaluate.latency import compare_latency
 from headlab.evaluate.quality import evaluate
 from headlab.importance import PER_TOKEN_METHODS, HeadScores, score
-from headlab.importance.duo import streaming_gates
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
 from headlab.models.flops import count_flops
 from headlab.objectives import objective_for
 from headlab.parallel.sharding import load_sharded, save_sharded
-from headlab.pruning import copy_model, demote, demoted_heads, prune
+from headlab.pruning import (
+    copy_model,
+    demote,
+    demoted_heads,
+    demotion_group_score,
+    demotion_scores,
+    prune,
+)
 from headlab.recovery import recover
 from headlab.results import (
     BeforeAfter,
@@ -64,23 +70,6 @@ LONG_LATENCY = 2048  # tokens: the run's second latency length, capped by the po
 # CPU (Gemma-3-270M's, with its 262k-token vocabulary, about ten), so fewer than the 7
 # of the short one
 LONG_LATENCY_ROUNDS = 3
-
-
-@torch.inference_mode()
-def compare_latency(before: HeadModel, after: HeadModel, batch: int, seq_len: int,
-                    rounds: int = 7) -> tuple[float, float]:
-    """Median forward times (ms) of two models on the same random tokens (batch,
-    seq_len), timed in alternating rounds after a warm-up of each, so that a slow spell
-    of a shared machine falls on both."""
-    from headlab._util.timing import time_interleaved
-
-    seq_len = min(seq_len, before.max_positions)
-    vocab = before.tokenizer.vocab_size if before.tokenizer is not None else 100
-    ids = torch.randint(0, max(2, min(vocab, 1000)), (batch, seq_len),
-                        generator=torch.Generator().manual_seed(0)).to(before.device)
-    t = time_interleaved({"before": lambda: before(ids), "after": lambda: after(ids)},
-                         repeats=rounds, warmup=1, device=before.device.type)
-    return (1000 * statistics.median(t["before"]), 1000 * statistics.median(t["after"]))
 
 
 def versions() -> dict[str, str]:
@@ -313,19 +302,16 @@ class Stage:
         return note
 
     def _demote_scores(self) -> HeadScores:
-        """--demote-by's scores: the detector's, or DuoAttention's gates trained on passkey
-        prompts from the scoring split (`importance.duo`); the highest keep a full cache."""
-        cfg, model = self.cfg, self.model
-        if cfg.demote_by == "gates":
-            log.info("choosing the demoted groups by DuoAttention's gates")
-            scores = streaming_gates(model, self.scoring, sinks=cfg.sinks, window=cfg.window,
-                                     steps=cfg.gate_steps, lr=cfg.gate_lr, reg=cfg.gate_reg,
-                                     seed=cfg.seed, checkpoint=self.checkpoint)
-            self.alphas = scores.extra["alphas"]
-            return scores
-        log.info("choosing the demoted groups by the %s detector", cfg.demote_by)
-        return detect(model, cfg.demote_by, seq_len=min(128, model.max_positions),
-                      seed=cfg.seed)
+        """--demote-by's scores (`pruning.demotion_scores`); the gates' alphas are kept."""
+        cfg = self.cfg
+        log.info("choosing the demoted groups by %s", "DuoAttention's gates" if
+                 cfg.demote_by == "gates" else f"the {cfg.demote_by} detector")
+        scores = demotion_scores(self.model, cfg.demote_by, self.scoring, sinks=cfg.sinks,
+                                 window=cfg.window, seed=cfg.seed, checkpoint=self.checkpoint,
+                                 **({"steps": cfg.gate_steps, "lr": cfg.gate_lr,
+                                     "reg": cfg.gate_reg} if cfg.demote_by == "gates" else {}))
+        self.alphas = scores.extra.get("alphas")
+        return scores
 
     def _kv_cache(self, pruned: HeadModel, quality_removed: float | None) -> KVCacheReport:
         """The cache before and after: bytes per token at the evaluation length and the
@@ -393,8 +379,8 @@ class Stage:
             min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
             seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
             checkpoint=self.checkpoint, on_step=on_step, unit=cfg.unit,
-            group_score="max" if method == "gates" and scores is not None
-            else cfg.group_score,
+            group_score=cfg.group_score if scores is None
+            else demotion_group_score(method, cfg.group_score),
             **({"recover": cfg.recover, "recover_kwargs": self._recover_options()}
                if cfg.recover_every_step else {}))
 
