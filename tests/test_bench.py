@@ -275,7 +275,7 @@ def test_the_gates_demotion_targets_and_the_retrieval_ratio_reported(name, prefi
     else:
         (t,) = res.targets
         assert (t.figure, t.target, t.op, t.meets) == (figure, target, "<=",
-                                                       0.1 <= target)
+                                                       target >= 0.1)
 
 
 @pytest.mark.parametrize(("removed", "demoted", "ratio", "meets"), [
