@@ -308,3 +308,15 @@ def test_prune_on_a_busy_machine_warns_and_records_the_load(tiny_gpt2_dir, tmp_p
     _, quiet = run(RunConfig(model=str(tiny_gpt2_dir), keep=0.5, recover="none",
                              max_tokens=512, seq_len=32, out=str(tmp_path / "quiet")))
     assert quiet.latency_ms.load_average == 0.0 and "machine is busy" not in caplog.text
+
+
+def test_report_and_terminal_print_the_same_units(pruned_run):
+    """Bytes and milliseconds read the same in the summary printed and in the report."""
+    from headlab._util.units import human_bytes, human_ms
+
+    out, summary = pruned_run
+    html = (out / "report.html").read_text()
+    for n in summary["kv_cache_bytes_per_token"]:
+        assert human_bytes(n) in html
+    assert human_ms(summary["latency_ms_after"]) in html
+    assert "KiB" not in html

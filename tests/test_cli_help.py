@@ -124,7 +124,8 @@ def test_score_prints_top_heads_and_where_the_scores_are(capsys):
 
 
 def test_latency_in_human_units(capsys):
-    from headlab.cli.common import human_ms, print_summary
+    from headlab._util.units import human_ms
+    from headlab.cli.common import print_summary
 
     assert [human_ms(v) for v in (12.34, 26060.0, 180_000.0)] == ["12.3 ms", "26.1 s", "3 min"]
     print_summary(_summary(heads_kept=36, params_after=5 * 10**6, quality_after=25.0,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from headlab._util.units import human_bytes, human_ms
 from headlab.runs.config import RunConfig
 
 if TYPE_CHECKING:
@@ -162,30 +163,11 @@ def _per_layer(counts: list[int] | None) -> str:
     return " ".join(str(n) for n in counts)
 
 
-def human_bytes(n: float | None) -> str:
-    """Bytes as a person reads them: 640 B, 9.2 KB, 1.5 MB (powers of 1000)."""
-    if n is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def _top_heads(importance: list[list[float]], k: int) -> list[list]:
     """The ``k`` highest-scoring heads as [layer, head, score]."""
     flat = [[layer, head, v] for layer, row in enumerate(importance or [])
             for head, v in enumerate(row) if v is not None and v == v]
     return sorted(flat, key=lambda x: -x[2])[:k]
-
-
-def human_ms(ms: float | None) -> str:
-    """A duration in milliseconds as a person reads it: 850 ms, 26.1 s, 3.2 min."""
-    if ms is None:
-        return "-"
-    if ms < 1000:
-        return f"{ms:.3g} ms"
-    return f"{ms / 1000:.3g} s" if ms < 60_000 else f"{ms / 60_000:.3g} min"
 
 
 def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:

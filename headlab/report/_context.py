@@ -15,6 +15,7 @@ from typing import Any
 
 from markupsafe import Markup
 
+from headlab._util.units import human_bytes, human_ms
 from headlab.objectives import OBJECTIVES, Objective
 from headlab.results import RunResult
 
@@ -81,14 +82,6 @@ def _params(x: float) -> str:
     return f"{x / 1e6:,.2f} M" if x >= 1e5 else _count(x)
 
 
-def _ms(x: float) -> str:
-    return f"{x:.1f} ms"
-
-
-def _bytes(x: float) -> str:
-    return f"{x / 1024:,.1f} KiB" if x >= 1024 else f"{x:,.0f} B"
-
-
 def _objective(result: RunResult) -> Objective | None:
     """The objective of the run's kind of model; None for a kind this headlab lacks."""
     return OBJECTIVES.get(result.kind or "")
@@ -115,16 +108,16 @@ def summary_rows(result: RunResult) -> list[dict]:
              None if result.score_only else result.heads_kept, _count),
         _row("parameters", result.params.before, result.params.after, _params,
              higher_is_better=False),
-        _row("latency", lat.before if lat else None, lat.after if lat else None, _ms,
+        _row("latency", lat.before if lat else None, lat.after if lat else None, human_ms,
              higher_is_better=False, note=lat_note),
-        *[_row(f"latency at {x.seq_len:,} tokens", x.before, x.after, _ms,
+        *[_row(f"latency at {x.seq_len:,} tokens", x.before, x.after, human_ms,
                higher_is_better=False, note=f"batch {x.batch}; the FLOPs predict "
                f"{x.predicted_drop:.0%} less" if x.predicted_drop is not None else "")
           for x in (lat.by_length[1:] if lat else [])],
     ]
     if objective is None or objective.generates:
         rows += [_row("key/value cache per token", result.kv_cache_bytes_per_token.before,
-                      result.kv_cache_bytes_per_token.after, _bytes, higher_is_better=False),
+                      result.kv_cache_bytes_per_token.after, human_bytes, higher_is_better=False),
                  *kv_cache_rows(result)]
     return rows
 
@@ -135,7 +128,7 @@ def kv_cache_rows(result: RunResult) -> list[dict]:
     kv = result.kv_cache
     if kv is None:
         return []
-    rows = [_row(f"key/value cache per token at {n:,} tokens", *pair, _bytes,
+    rows = [_row(f"key/value cache per token at {n:,} tokens", *pair, human_bytes,
                  higher_is_better=False, note=note)
             for n, pair, note in ((kv.eval_length, kv.bytes_per_token_eval, "evaluation length"),
                                   (kv.max_length, kv.bytes_per_token_max, "model maximum"))
