@@ -173,19 +173,22 @@ def test_ridge_solve_equals_numpy_lstsq(ridge):
 def test_normal_equations_equal_numpy_sums(fast):
     """X^T X (symmetric, taken in column blocks at this width) and X^T Y over uneven
     batches against float64 numpy: exact to float64 rounding, or within float32's
-    (relative 1e-6) with ``fast``, the rows coming in float32 as a model gives them."""
+    (relative 1e-6) with ``fast``, the rows coming in float32 as a model gives them.
+    5000 rows: products over the 2048 rows gathered, and over what is left when read;
+    rows added after a read are summed too."""
     gen = np.random.default_rng(2)
-    x = (gen.normal(size=(900, 300)) + 0.5).astype(np.float32)  # (N, P), a mean as in
-    y = gen.normal(size=(900, 7)).astype(np.float32)  # (N, E)    activations after GELU
+    x = (gen.normal(size=(5000, 300)) + 0.5).astype(np.float32)  # (N, P), a mean as in
+    y = gen.normal(size=(5000, 7)).astype(np.float32)  # (N, E)    activations after GELU
     eq = NormalEquations(300, 7, torch.device("cpu"), fast=fast)
-    for rows in np.array_split(np.arange(900), 4):
-        eq.add(torch.from_numpy(x[rows]), torch.from_numpy(y[rows]))
-    xd, yd = x.astype(np.float64), y.astype(np.float64)
-    assert torch.equal(eq.xtx, eq.xtx.T)
     tol = 1e-6 if fast else 1e-12
-    assert _relative(eq.xtx.numpy(), xd.T @ xd) < tol
-    assert _relative(eq.xty.numpy(), xd.T @ yd) < tol
-    assert eq.rows == 900
+    for n, rows in enumerate(np.array_split(np.arange(5000), 13)):
+        eq.add(torch.from_numpy(x[rows]), torch.from_numpy(y[rows]))
+        if n in (3, 12):  # read mid-way, and at the end
+            xd, yd = x[:rows[-1] + 1].astype(np.float64), y[:rows[-1] + 1].astype(np.float64)
+            assert torch.equal(eq.xtx, eq.xtx.T)
+            assert _relative(eq.xtx.numpy(), xd.T @ xd) < tol
+            assert _relative(eq.xty.numpy(), xd.T @ yd) < tol
+            assert eq.rows == rows[-1] + 1
 
 
 def test_rank_deficient_ridge_zero_falls_back_to_least_squares():

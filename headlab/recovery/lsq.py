@@ -16,8 +16,8 @@ that earlier layers leave in the pruned stream. Kwon et al.'s own, cheaper varia
 one scale per kept head, is ``rescale`` (`headlab.recovery.rescale`).
 
 X^T X and X^T Y are summed in float64 over batches (memory O((H*D)^2 + H*D*E) per
-layer; activations are never kept), each batch's products taken in float32 when a
-ridge bounds the solve's conditioning (`NormalEquations`). The ridge pulls toward
+layer; at most 2048 rows of activations are held), the products taken in float32 when
+a ridge bounds the solve's conditioning (`NormalEquations`). The ridge pulls toward
 the current weights, with lambda = ridge * mean(diag(X^T X)), so the fitted error is
 never above the error of the weights as they were. Solved by Cholesky, by least
 squares if that fails.
@@ -37,48 +37,78 @@ DEFAULT_RIDGE = 0.3  # measured on both bundled models: README, "Prune and repai
 class NormalEquations:
     """X^T X (P, P) and X^T Y (P, E), summed in float64 over batches of rows.
 
-    X^T X is symmetric: each batch adds only the products on and above the diagonal, in
+    Rows are gathered until `_FLUSH_ROWS` are held (or the sums are read), then taken in
+    one product: a scoring batch's few hundred real tokens make a thin product, and each
+    float64 accumulation of the (P, P) sums costs as much as a few hundred rows of it.
+    X^T X is symmetric: each product adds only the entries on and above the diagonal, in
     ``_PARTS`` column blocks ((parts + 1) / (2 parts) of the work), and `xtx` mirrors
-    them once when read. With ``fast``, each batch's products are taken in float32 on
-    the rows' device and only their sums kept in float64: the N P^2 work runs at float32
-    speed, with the rounding of one batch's float32 sum (relative ~1e-6). A ridge fit is
-    as accurate as that (its lambda bounds the condition number); an unregularised one
-    (ridge 0) is not, and takes the products in float64."""
+    them once when read. With ``fast``, the products are taken in float32 on the rows'
+    device and only their sums kept in float64: the N P^2 work runs at float32 speed,
+    with the rounding of one float32 product over at most `_FLUSH_ROWS` rows (relative
+    ~1e-6). A ridge fit is as accurate as that (its lambda bounds the condition number);
+    an unregularised one (ridge 0) is not, and takes the products in float64."""
 
     def __init__(self, p: int, e: int, device: torch.device, *, fast: bool = False) -> None:
         if device.type == "mps":  # no float64 there
             device = torch.device("cpu")
         self._upper = torch.zeros(p, p, dtype=torch.float64, device=device)
         self._mirrored: torch.Tensor | None = None
-        self.xty = torch.zeros(p, e, dtype=torch.float64, device=device)
+        self._xty = torch.zeros(p, e, dtype=torch.float64, device=device)
         self.dtype = torch.float32 if fast else torch.float64
-        self.rows = 0
+        self._rows = 0
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (x, y) not yet summed
+        self._held = 0  # rows in _pending
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """x (N, P), y (N, E)."""
         if self.dtype == torch.float64:
-            x, y = x.to(self.xty.device), y.to(self.xty.device)
-        x, y = x.to(self.dtype), y.to(self.dtype)
+            x, y = x.to(self._xty.device), y.to(self._xty.device)
+        self._pending.append((x.to(self.dtype), y.to(self.dtype)))
+        self._held += x.shape[0]
+        self._mirrored = None
+        if self._held >= _FLUSH_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Add the rows held to the sums, in one product."""
+        if not self._pending:
+            return
+        x = torch.cat([a for a, _ in self._pending])  # (N, P)
+        y = torch.cat([b for _, b in self._pending])  # (N, E)
+        self._pending, self._held = [], 0
         P = x.shape[1]
         width = -(-P // _PARTS) if P >= _MIN_BLOCKED else P
         for a in range(0, P, width):  # rows a .. a + width of the upper triangle
             block = x[:, a:a + width].T @ x[:, a:]  # (width, P - a)
-            self._upper[a:a + width, a:] += block.to(self.xty.device, torch.float64)
-        self.xty += (x.T @ y).to(self.xty.device, torch.float64)
-        self.rows += x.shape[0]
-        self._mirrored = None
+            self._upper[a:a + width, a:] += block.to(self._xty.device, torch.float64)
+        self._xty += (x.T @ y).to(self._xty.device, torch.float64)
+        self._rows += x.shape[0]
 
     @property
     def xtx(self) -> torch.Tensor:
         """X^T X (P, P), float64, exactly symmetric."""
+        self._flush()
         if self._mirrored is None:
             upper = self._upper.triu()
             self._mirrored = upper + upper.triu(1).T
         return self._mirrored
 
+    @property
+    def xty(self) -> torch.Tensor:
+        """X^T Y (P, E), float64."""
+        self._flush()
+        return self._xty
+
+    @property
+    def rows(self) -> int:
+        """Rows summed so far."""
+        self._flush()
+        return self._rows
+
 
 _PARTS = 4
 _MIN_BLOCKED = 256  # narrower X^T X in one product: thin blocks do not pay for themselves
+_FLUSH_ROWS = 2048  # rows gathered per product: (2048, P) float32, 9 MB for P = 1152
 
 
 def solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, w0: torch.Tensor,
