@@ -144,7 +144,8 @@ def test_each_benchmark_has_its_targets(tiny_run):
                                   "minilm-l6.gates_seconds_over_michel",
                                   "minilm-l6.default_seconds_over_flap"}
     assert figures["recovery"] == {"minilm-l6.kept_over_none", "minilm-l6.recover_over_michel",
-                                   "minilm-l6.keep_1_max_abs_diff"}
+                                   "minilm-l6.keep_1_max_abs_diff",
+                                   "minilm-l6.rescale_kept_over_none"}
 
 
 def test_recovery_tradeoff_table(tiny_run):
@@ -160,6 +161,11 @@ def test_recovery_tradeoff_table(tiny_run):
     assert rows[0]["latency_ms"] == rows[1]["latency_before_ms"]
     page = script("bench_tables").render(sorted(out.glob("*.json")))
     assert "| minilm-l6 | 0.6 | 44 | " in page and "no cache" in page
+    # rescale, Kwon et al.'s, on the same pruned model, held to no worse than no repair
+    recovery = {r.name: r for r in results}["recovery"]
+    (t,) = [t for t in recovery.targets if t.figure == "minilm-l6.rescale_kept_over_none"]
+    assert (t.target, t.op) == (1.0, "<=")
+    assert math.isfinite(recovery.figures[t.figure].median)
 
 
 def test_quality_grid_has_every_method_at_every_keep_and_the_docs_render_it(tiny_run):

@@ -41,6 +41,9 @@ class RecoverySizes:
     # distillation after ``method`` on the causal LMs: calibration tokens it trains on
     # (read from the corpus apart from the scoring blocks), its bound on the loss kept
     # (of the loss without repair) and on its seconds
+    # other repairs measured at ``keep`` on the same pruned model, each with its bound on
+    # the loss kept (of the loss without repair): Kwon et al.'s rescale no worse than none
+    also: dict[str, float] = field(default_factory=lambda: {"rescale": 1.0})
     distill_tokens: int | None = 65536
     distill_target: float = 0.1
     distill_seconds: float = 600.0
@@ -119,6 +122,9 @@ def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None) ->
                            op="<=", what=what)
             res.add_target(f"{name}.recover_over_michel", target=1.0, op="<=",
                            what=f"{name} {sizes.method} time / michel scoring time")
+            for other, bound in sizes.also.items():
+                _other_repair(res, name, other, bound, model, schedule.plan_at(n_keeps[keep]),
+                              scoring, heldout, sizes, before.value, lost_none, sign)
             if sizes.distill_tokens and model.kind == "causal-lm":
                 _distill_after(res, name, measured.model, model, heldout, sizes, seq_len,
                                before, lost_none, sign)
@@ -192,6 +198,23 @@ def _repair_of_unpruned(res: BenchResult, name: str, model, scoring, heldout,
     res.add(f"{name}.keep_1_max_abs_diff", [same], "abs")
     res.add_target(f"{name}.keep_1_max_abs_diff", target=1e-6, op="<=",
                    what=f"{name} {sizes.method} on the unpruned model: max output change")
+
+
+def _other_repair(res: BenchResult, name: str, method: str, bound: float, model, plan,
+                  scoring, heldout, sizes: RecoverySizes, before: float, lost_none: float,
+                  sign: int) -> None:
+    """``method`` in place of ``sizes.method`` on a fresh copy pruned by the same plan: the
+    loss it keeps (of none's), held to ``bound``."""
+    import headlab
+    from headlab.pruning import copy_model, prune
+
+    pruned = prune(copy_model(model), plan)
+    headlab.recover(pruned, model, scoring, method=method, batch_size=sizes.batch)
+    q = headlab.evaluate(pruned, heldout, batch_size=sizes.batch)
+    res.add(f"{name}.{method}_kept_over_none", [sign * (q.value - before) / lost_none], "x")
+    res.add_target(f"{name}.{method}_kept_over_none", target=bound, op="<=",
+                   what=f"{name} {q.metric} lost at keep {sizes.keep} after {method} / "
+                        "without repair")
 
 
 def _distill_after(res: BenchResult, name: str, pruned, model, heldout, sizes: RecoverySizes,
