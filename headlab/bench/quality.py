@@ -41,6 +41,7 @@ class QualitySizes:
     methods: tuple[str, ...] = ("michel_unnormalised", "michel", "taylor", "gates", "flap")
     recover: str = "lsq"
     gate_steps: int = DEFAULT_STEPS
+    seeds: tuple[int, ...] = (0, 1, 2)  # random scores' seeds, the bar's baseline
     # score validation: (bundled model, sequence length, token budget) per run
     validate: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 64, 1024),
                                                    ("minilm-l6", 64, 2048))
@@ -61,11 +62,10 @@ QUALITY_TARGETED = "michel_unnormalised"
 DEFAULT_METHOD = RunConfig.method  # `headlab prune`'s default --method
 GATES_BAR = ("michel", "michel_unnormalised", "taylor")  # gates are held against the best
 FLAP_REPAIR = "bias"  # FLAP's own bias compensation, `headlab.recover(method="bias")`
-SEEDS = (0, 1, 2)
 
 
 def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> BenchResult:
-    """Held-out quality lost with each method vs random scores (3 seeds) at each keep,
+    """Held-out quality lost with each method vs random scores (``sizes.seeds``) at each keep,
     pruned and repaired, real models; gate training and FLAP's calibration seconds."""
     import headlab
 
@@ -75,7 +75,7 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> B
     res.method = {
         "data": describe(sizes.data),
         "pruning": f"at each keep of {', '.join(map(str, sizes.keeps))}, from the unpruned "
-                   "model: michel, taylor and random (seeds 0, 1, 2) by headlab."
+                   f"model: michel, taylor and random (seeds {sizes.seeds}) by headlab."
                    f"prune_to_target(method, schedule='iterative', step={sizes.step}) run "
                    "once to the smallest keep, each keep's plan the one that schedule "
                    "stopped there chooses (ScheduleResult.plan_at); "
@@ -166,7 +166,7 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
         return headlab.evaluate(pruned, heldout, batch_size=sizes.batch).value
 
     runs = [(label, *QUALITY_VARIANTS[label][:2], 0) for label in sizes.methods]
-    runs += [(f"random:{seed}", "random", {}, seed) for seed in SEEDS]
+    runs += [(f"random:{seed}", "random", {}, seed) for seed in sizes.seeds]
     quality: dict[tuple[str, str], list[float]] = {}
     for label, name, kw, seed in runs:
         repairs = [None, sizes.recover] + ([FLAP_REPAIR] if name == "flap" else [])
@@ -190,7 +190,7 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
 
     rows = [row(label, repair) for label, repair in quality if not label.startswith("random:")]
     for repair in ("none", sizes.recover):
-        seeds = [row(f"random:{s}", repair) for s in SEEDS]
+        seeds = [row(f"random:{s}", repair) for s in sizes.seeds]
         samples = [[s["lost"][i] for s in seeds] for i in range(len(n_keeps))]  # keep x seed
         rows.append({"method": "random", "repair": repair,
                      "quality": [mean([s["quality"][i] for s in seeds])
@@ -225,7 +225,8 @@ def _judge(res: BenchResult, name: str, grid: dict, decoder: bool, setting: str,
     for method in sizes.methods:
         res.add(f"{name}.{method}_lost", [lost[method, "none"]], metric)
         report(f"{method}_over_random", ratio(lost[method, "none"], random["lost"][j]), "x",
-               f"{metric} lost {at}, {QUALITY_VARIANTS[method][2]} / mean of 3 random seeds",
+               f"{metric} lost {at}, {QUALITY_VARIANTS[method][2]} / mean of "
+               f"{len(sizes.seeds)} random seed(s)",
                0.5 if method == QUALITY_TARGETED else None)
     bar = [m for m in GATES_BAR if m in sizes.methods]
     if "gates" in sizes.methods and bar:
