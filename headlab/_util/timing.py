@@ -93,10 +93,11 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def busy() -> str | None:
-    """Why timings taken now would be noisy (other processes hold the cores), or None:
-    the one warning the benchmarks and a prune run's latency give."""
-    load = load_average()
+def busy(load: float | None = None) -> str | None:
+    """Why timings taken at this 1-minute ``load`` average (None: now) are noisy, other
+    processes holding the cores, or None: what the benchmarks and a prune run's summary
+    say."""
+    load = load_average() if load is None else load
     if not load > cores() - 0.5:
         return None
     return (f"the machine is busy (load average {load:.1f} on {cores()} cores): timings "

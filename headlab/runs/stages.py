@@ -17,7 +17,7 @@ from headlab import __version__
 from headlab._util.checkpoint import Checkpoint
 from headlab._util.io import atomic_dir, atomic_write_json
 from headlab._util.progress import spinner, track
-from headlab._util.timing import busy, load_average
+from headlab._util.timing import load_average
 from headlab.analysis.overview import overview
 from headlab.data.blocks import Blocks
 from headlab.data.texts import BUNDLED_SPEC, BUNDLED_WARNING
@@ -265,9 +265,7 @@ class Stage:
         if long > short:
             shapes.append((1, long, LONG_LATENCY_ROUNDS))
         rows = []
-        load = load_average()
-        if (why := busy()) is not None:
-            log.warning(why)
+        load = load_average()  # the summary says when it makes the times noisy
         with spinner("timing the pruned model against the unpruned one"):
             for batch, seq_len, rounds in shapes:
                 t_before, t_after = compare_latency(self.model, pruned, batch, seq_len,
