@@ -70,8 +70,8 @@ class Latency(BeforeAfter[float]):
     batch: int | None = None
     seq_len: int | None = None
     by_length: list[LengthLatency] = field(default_factory=list)
-    # the machine's 1-minute load average when timed: above its cores, the times are noisy
-    load_average: float | None = None
+    # cores' worth of CPU other processes used when timed: above half a core, noisy
+    others_load: float | None = None
 
 
 @dataclass
@@ -261,7 +261,7 @@ class RunResult:
                                _int(x.get("batch")), _int(x.get("seq_len")),
                                _float(x.get("predicted_drop")))
                  for x in latency.get("by_length") or [] if isinstance(x, dict)],
-                _float(latency.get("load_average"))),
+                _float(latency.get("others_load"))),
             kv_cache_bytes_per_token=BeforeAfter(
                 _int(_section(d, "kv_cache_bytes_per_token").get("before")),
                 _int(_section(d, "kv_cache_bytes_per_token").get("after"))),

@@ -258,3 +258,23 @@ def test_interpretability_example_is_no_longer_than_transformerlens():
     assert stated == [_code_lines(ours.code), _code_lines(theirs.code),
                       _task_lines(ours.code), _task_lines(theirs.code)]
     assert stated[0] <= stated[1] and stated[2] <= stated[3] and stated[2] <= 10
+
+
+def test_the_documented_default_method_is_the_runs_and_its_evidence_is_committed():
+    """The importance-method table marks one default, the one a run uses, and the
+    figures that chose it are the committed method-choice runs'."""
+    import json
+
+    from headlab.runs.config import RunConfig
+
+    page = (ROOT / "docs" / "prune-and-repair.md").read_text()
+    marked = re.findall(r"^\| `(\w+)` \(default\) \|", page, flags=re.M)
+    assert marked == [RunConfig.method]
+    for model, cells in (("smollm2-135m", ("81.7", "54.1", "45.8", "40.8")),
+                         ("gemma3-270m", ("134", "79.9", "40.6", "43.5"))):
+        path = ROOT / "reports" / "bench" / "method-choice" / f"quality-{model}.json"
+        grid = json.loads(path.read_text())["checks"][f"{model}.grid"]
+        got = {(r["method"], r["repair"]): r["quality"][0] for r in grid["rows"]}
+        figures = [got["michel", "none"], got["taylor", "none"], got["michel", "lsq"],
+                   got["taylor", "lsq"]]
+        assert [f"{v:.3g}" for v in figures] == list(cells), model

@@ -42,7 +42,7 @@ def test_a_results_json_without_a_version_reads_back_key_for_key(kind):
     assert written.pop("recovery") is None
     assert written.pop("kv_cache") is None  # no kv-group or demotion run
     assert written["latency_ms"].pop("by_length") == []  # one length timed then
-    assert written["latency_ms"].pop("load_average") is None  # not recorded then
+    assert written["latency_ms"].pop("others_load") is None  # not recorded then
     assert written["quality"].pop("pruned") is None
     assert written["quality"].pop("loss_pruned") is None
     # what the calibration / evaluation protocol added (headlab.data.protocol)

@@ -93,17 +93,37 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def others_load(window: float = 0.5) -> float:
+    """Cores' worth of CPU that other processes use: on Linux, the busy time of every core
+    (/proc/stat) less this process's own (/proc/self/stat) over the next ``window``
+    seconds, so that a run's own threads do not count; elsewhere the 1-minute load
+    average."""
+    def sample() -> tuple[float, float, float]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(fields) - idle, int(own[11]) + int(own[12]), time.perf_counter()
+
+    try:
+        busy0, own0, t0 = sample()
+        time.sleep(window)
+        busy1, own1, t1 = sample()
+    except (OSError, ValueError, IndexError):  # not Linux
+        return load_average()
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+
+
 def busy(load: float | None = None) -> str | None:
-    """Why timings taken at this 1-minute ``load`` average (None: now) are noisy, other
-    processes holding the cores, or None: what the benchmarks and a prune run's summary
-    say."""
-    load = load_average() if load is None else load
-    if not load > cores() - 0.5:
+    """Why timings taken while other processes use ``load`` cores (None: measure it,
+    `others_load`) are noisy, or None: what the benchmarks and a prune run's summary say."""
+    load = others_load() if load is None else load
+    if not load > 0.5:
         return None
-    return (f"the machine is busy (load average {load:.1f} on {cores()} cores): timings "
-            "will be noisy, and OpenMP threads that spin while a sibling is preempted can "
-            "make multi-threaded forwards several times slower; OMP_WAIT_POLICY=PASSIVE "
-            "(set before starting) or HEADLAB_BENCH_THREADS=1 avoid that")
+    return (f"the machine is busy (other processes use {load:.1f} of its {cores()} cores): "
+            "timings will be noisy, and OpenMP threads that spin while a sibling is "
+            "preempted can make multi-threaded forwards several times slower; "
+            "OMP_WAIT_POLICY=PASSIVE (set before starting) or HEADLAB_BENCH_THREADS=1 "
+            "avoid that")
 
 
 @contextlib.contextmanager

@@ -131,7 +131,7 @@ def summary(result: RunResult, out: Path) -> dict:
         "latency_ms_before": lat.before if lat else None,
         "latency_ms_after": lat.after if lat else None,
         "latency_by_length": [] if lat is None else [asdict(x) for x in lat.by_length],
-        "latency_load_average": lat.load_average if lat else None,
+        "latency_others_load": lat.others_load if lat else None,
         "report": str(out / "report.html"), "results": str(out / "results.json"),
         "model_dir": str(out / "model") if (out / "model").exists() else None,
         "scores": str(out / "importance.csv") if (out / "importance.csv").exists() else None,
@@ -225,8 +225,8 @@ def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
             t.add_row(label, before)
     console = Console()
     console.print(t)
-    if summary.get("latency_load_average") is not None and (
-            why := busy(summary["latency_load_average"])) is not None:
+    if summary.get("latency_others_load") is not None and (
+            why := busy(summary["latency_others_load"])) is not None:
         console.print(f"latency: {why}")
     if not pruned and summary["top_heads"]:
         console.print("top heads: " + ", ".join(f"L{layer}H{head} {v:.4g}"

@@ -49,7 +49,7 @@ class RunConfig:
 
     model: str
     command: str = "prune"
-    method: str = "michel"
+    method: str = "taylor"  # chosen by measurement: docs/prune-and-repair.md
     compare: list[str] = field(default_factory=list)  # more methods, one curve each
     keep: float | None = None
     prune: int | None = None

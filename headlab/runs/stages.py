@@ -17,7 +17,7 @@ from headlab import __version__
 from headlab._util.checkpoint import Checkpoint
 from headlab._util.io import atomic_dir, atomic_write_json
 from headlab._util.progress import spinner, track
-from headlab._util.timing import load_average
+from headlab._util.timing import others_load
 from headlab.analysis.overview import overview
 from headlab.data.blocks import Blocks
 from headlab.data.texts import BUNDLED_SPEC, BUNDLED_WARNING
@@ -265,7 +265,7 @@ class Stage:
         if long > short:
             shapes.append((1, long, LONG_LATENCY_ROUNDS))
         rows = []
-        load = load_average()  # the summary says when it makes the times noisy
+        others = others_load()  # the summary says when they make the times noisy
         with spinner("timing the pruned model against the unpruned one"):
             for batch, seq_len, rounds in shapes:
                 t_before, t_after = compare_latency(self.model, pruned, batch, seq_len,
@@ -275,7 +275,7 @@ class Stage:
                 rows.append(LengthLatency(t_before, t_after, batch=batch, seq_len=seq_len,
                                           predicted_drop=drop))
         return Latency(rows[0].before, rows[0].after, batch=cfg.latency_batch,
-                       seq_len=short, by_length=rows, load_average=load)
+                       seq_len=short, by_length=rows, others_load=others)
 
     def _save(self, pruned: HeadModel, *, repaired: bool) -> None:
         """model/: whole on rank 0, or block by block by every shard once repaired (an
