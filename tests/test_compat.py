@@ -76,7 +76,8 @@ def test_interrupted_run_resumes(tmp_path):
     # the same run uninterrupted: the resumed run continued where the checkpoint stood
     config = json.loads((FIXTURE / "interrupted" / "config.json").read_text())
     full = tmp_path / "full"
-    r = _headlab("prune", "--model", config["model"], "--keep", "0.25", "--step", "0.25",
+    r = _headlab("prune", "--model", config["model"], "--method", config["method"],
+                 "--keep", "0.25", "--step", "0.25",
                  "--out", str(full), "--seq-len", "32", "--max-tokens", "2048",
                  "--batch-size", "2", "-q")
     assert r.returncode == 0, r.stderr
