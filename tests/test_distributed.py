@@ -105,8 +105,9 @@ def test_torchrun_cli_scores_like_one_process(tiny_gpt2_dir, tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun comes with torch; the venv should have it"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    common = ["score", "--model", str(tiny_gpt2_dir), "--max-tokens", "1216", "--seq-len",
-              "32", "--batch-size", "2", "-q"]
+    # michel: taylor's curvature probes are drawn per rank, so two ranks draw other probes
+    common = ["score", "--model", str(tiny_gpt2_dir), "--method", "michel", "--max-tokens",
+              "1216", "--seq-len", "32", "--batch-size", "2", "-q"]
     one = subprocess.run([sys.executable, "-m", "headlab", *common, "--out",
                           str(tmp_path / "one")], env=env, capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
