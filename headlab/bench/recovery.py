@@ -38,12 +38,12 @@ class RecoverySizes:
     targets: dict[str, float] = field(default_factory=lambda: {"smollm2-135m": 0.25,
                                                                "gemma3-270m": 0.25,
                                                                "minilm-l6": 0.5})
-    # distillation after ``method`` on the causal LMs: calibration tokens it trains on
-    # (read from the corpus apart from the scoring blocks), its bound on the loss kept
-    # (of the loss without repair) and on its seconds
     # other repairs measured at ``keep`` on the same pruned model, each with its bound on
     # the loss kept (of the loss without repair): Kwon et al.'s rescale no worse than none
     also: dict[str, float] = field(default_factory=lambda: {"rescale": 1.0})
+    # distillation after ``method`` on the causal LMs: calibration tokens it trains on
+    # (read from the corpus apart from the scoring blocks), its bound on the loss kept
+    # (of the loss without repair) and on its seconds
     distill_tokens: int | None = 65536
     distill_target: float = 0.1
     distill_seconds: float = 600.0
