@@ -5,16 +5,20 @@ sharded writer and reader of the same directory are tested in test_sharding.py."
 from __future__ import annotations
 
 import json
+import logging
+import os
 
 import pytest
 import torch
 from test_decoders import _checkpoint
+from transformers import GemmaTokenizer
 
 import headlab
 from headlab.errors import ModelNotFoundError, UserError
 from headlab.models import registry
 from headlab.models.base import Absent, HeadModel
 from headlab.models.decoder import Decoder
+from headlab.models.loading import gguf_cache_dir
 
 HF_TYPES = {
     "gpt2": ("gpt2",), "llama": ("llama", "mistral"), "qwen2": ("qwen2",),
@@ -103,6 +107,46 @@ def test_a_saved_directory_records_and_restores_the_exact_class(tmp_path, case):
     ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+def test_a_saved_gemma_tokenizer_reloads_without_transformers_mistral_warning(tmp_path):
+    """transformers 5 takes a tokenizer beside a config.json with no model_type for a
+    Mistral one with a wrong regex and warns that tokenization will be wrong; headlab's
+    format keeps the model type inside, so loading says it is not Mistral's, and
+    writes nothing of that into the tokenizer_config it saves."""
+    model = headlab.load(_checkpoint(tmp_path / "hf", "gemma3"), tokenizer=False)
+    special = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    words = [*special, *(f"w{i}" for i in range(100_001))]  # it checks vocabularies > 100k
+    model.tokenizer = GemmaTokenizer(vocab={w: i for i, w in enumerate(words)}, merges=[])
+    saved = model.save(tmp_path / "saved")
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append
+    hf_log = logging.getLogger("transformers")  # its own handler, not propagated to caplog
+    hf_log.addHandler(handler)
+    try:
+        back = headlab.load(saved)
+    finally:
+        hf_log.removeHandler(handler)
+    assert not [r for r in said if "fix_mistral_regex" in r.getMessage()]
+    assert back.tokenizer("w3 w7")["input_ids"] == model.tokenizer("w3 w7")["input_ids"]
+    back.save(tmp_path / "again")
+    assert "fix_mistral_regex" not in (tmp_path / "again" / "tokenizer_config.json").read_text()
+
+
+def test_a_gguf_conversion_is_found_by_the_file_content_not_its_install(tmp_path, monkeypatch):
+    """A reinstalled GGUF (a new virtual environment: same bytes, new path and time)
+    finds the conversion made before; a changed file is converted again."""
+    monkeypatch.setenv("HEADLAB_CACHE", str(tmp_path / "cache"))
+    first, again = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    for f in (first, again):
+        f.parent.mkdir()
+        f.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    os.utime(again, ns=(10**18, 10**18))
+    assert gguf_cache_dir(first) == gguf_cache_dir(again)
+    assert gguf_cache_dir(first).parent == tmp_path / "cache" / "gguf"
+    again.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 64)
+    assert gguf_cache_dir(again) != gguf_cache_dir(first)
 
 
 def test_a_directory_of_an_unknown_format_or_family_is_refused_naming_it(tmp_path):

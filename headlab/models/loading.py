@@ -14,6 +14,8 @@ Nothing here ever sets ``trust_remote_code``.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -258,10 +260,20 @@ def _check_float_weights(state: dict[str, torch.Tensor], path: Path) -> None:
 def gguf_cache_dir(path: Path) -> Path:
     """Where the float32 conversion of a GGUF file is kept (HEADLAB_CACHE or ~/.cache).
 
-    The key holds the file's name, size and modification time, so a changed file is
-    converted again."""
+    The key is the file's name and content (SHA-256), so the same file installed again,
+    by a new virtual environment or a fresh clone's set-up, finds the conversion made
+    before, and a changed file is converted again."""
     st = path.stat()
-    return cache_root() / "gguf" / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+    digest = _sha256(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    return cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    """The SHA-256 of a file (a fraction of a second for a few hundred MB); ``size`` and
+    ``mtime_ns`` only key the memo, so a file changed in place is hashed again."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _load_gguf(path: Path, with_tokenizer: bool) -> HeadModel:
@@ -320,6 +332,24 @@ def config_vocab_size(config: dict) -> int | None:
     return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
 
 
+# transformers 5 warns that a tokenizer beside a config.json with no model_type (headlab's
+# format keeps it in config.hf_config) may be a Mistral one with a wrong regex
+_MISTRAL_TYPES = ("mistral", "mistral3", "voxtral", "ministral", "pixtral")
+
+
+def _not_mistral(path: Path) -> dict:
+    """``fix_mistral_regex=False`` for a headlab-format folder of another model type
+    (transformers then neither patches nor warns), else no argument."""
+    config = path / "config.json"
+    if not config.is_file():
+        return {}
+    saved = read_config(config)
+    if not format.is_headlab(saved):
+        return {}
+    model_type = saved.get("config", {}).get("hf_config", {}).get("model_type")
+    return {} if model_type in _MISTRAL_TYPES else {"fix_mistral_regex": False}
+
+
 def read_tokenizer(path: Path, vocab_size: int | None = None):
     """The tokenizer saved in ``path``, or None (with a warning) where it has no tokenizer
     files. Files that do not parse, or a vocabulary far smaller than the model's
@@ -330,13 +360,16 @@ def read_tokenizer(path: Path, vocab_size: int | None = None):
     if not files:
         log.warning("no tokenizer files at %s; model.tokenizer is None", path)
         return None
+    quiet = _not_mistral(path)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path), **quiet)
     except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
         detail = str(exc).splitlines()[0] if str(exc) else "no detail"
         raise UserError(f"{path}: tokenizer {' / '.join(files)} cannot be read "
                         f"({type(exc).__name__}: {detail}); copy the model's tokenizer files "
                         "again") from exc
+    for key in quiet:  # said to transformers, not written into a saved tokenizer_config
+        tok.init_kwargs.pop(key, None)
     if vocab_size is not None and len(tok) < _MIN_VOCAB_SHARE * vocab_size:
         raise UserError(f"{path}: the tokenizer holds {len(tok)} tokens for the model's "
                         f"{vocab_size} embedding rows, so it is not this model's tokenizer; "
