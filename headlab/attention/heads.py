@@ -4,6 +4,7 @@ layers and projection-wide norms sliced to them, for `MultiHeadAttention.prune_h
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -49,8 +50,10 @@ def slice_linear(lin: nn.Linear, index: torch.Tensor, *, dim: int) -> nn.Linear:
     new_bias = None
     if bias is not None:
         new_bias = bias.detach().index_select(0, index) if dim == 0 else bias.detach()
-    new = skip_init(type(lin), w.shape[1], w.shape[0], bias=bias is not None,
-                    device=w.device, dtype=w.dtype)
+    with warnings.catch_warnings():  # a layer left with no heads: (E, 0), nothing to init
+        warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
+        new = skip_init(type(lin), w.shape[1], w.shape[0], bias=bias is not None,
+                        device=w.device, dtype=w.dtype)
     with torch.no_grad():
         new.weight.copy_(w)
         if new_bias is not None:

@@ -63,9 +63,6 @@ def setup(quiet: bool, json_mode: bool) -> None:
     _progress.set_enabled(not quiet and not json_mode and sys.stderr.isatty())
     for noisy in ("transformers", "datasets", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
     try:
         import transformers
 
