@@ -43,6 +43,18 @@ def head_rows(heads: list[int], head_dim: int, device) -> torch.Tensor:
     return (h[:, None] * head_dim + torch.arange(head_dim, device=device)).reshape(-1)
 
 
+def linear(in_features: int, out_features: int, *, bias: bool, init: bool = True,
+           cls: type[nn.Linear] = nn.Linear, **factory) -> nn.Linear:
+    """A ``cls`` (nn.Linear); ``init=False`` leaves its weight uninitialised, to be copied
+    into. Quiet where a layer has no heads left: torch warns that initialising a
+    zero-size weight does nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
+        if init:
+            return cls(in_features, out_features, bias=bias, **factory)
+        return skip_init(cls, in_features, out_features, bias=bias, **factory)
+
+
 def slice_linear(lin: nn.Linear, index: torch.Tensor, *, dim: int) -> nn.Linear:
     """A new Linear keeping ``index`` of the output (dim=0) or input (dim=1) features."""
     w = lin.weight.detach().index_select(dim, index)
@@ -50,10 +62,8 @@ def slice_linear(lin: nn.Linear, index: torch.Tensor, *, dim: int) -> nn.Linear:
     new_bias = None
     if bias is not None:
         new_bias = bias.detach().index_select(0, index) if dim == 0 else bias.detach()
-    with warnings.catch_warnings():  # a layer left with no heads: (E, 0), nothing to init
-        warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
-        new = skip_init(type(lin), w.shape[1], w.shape[0], bias=bias is not None,
-                        device=w.device, dtype=w.dtype)
+    new = linear(w.shape[1], w.shape[0], bias=bias is not None, init=False, cls=type(lin),
+                 device=w.device, dtype=w.dtype)
     with torch.no_grad():
         new.weight.copy_(w)
         if new_bias is not None:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headlab.attention.heads import group_index, head_rows, slice_linear, slice_norm
+from headlab.attention.heads import group_index, head_rows, linear, slice_linear, slice_norm
 from headlab.attention.hookpoint import HookPoint, run_hook
 from headlab.attention.kv_cache import KeySet, KVCache, equal_groups
 from headlab.attention.masks import Mask
@@ -95,10 +95,10 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        self.q_proj = linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = linear(n_heads * head_dim, d_model, bias=out_bias)
         if qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"qk_norm_scope must be 'head' or 'projection', got {qk_norm_scope!r}")
         self.q_norm = q_norm
