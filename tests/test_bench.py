@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -427,6 +431,24 @@ def test_run_prints_the_table(tmp_path, capsys):
     assert printed.startswith("| benchmark | measure |")
     assert "decode: last 8 of 48 steps" in printed
     assert (tmp_path / "attention.json").is_file()
+
+
+def test_the_footer_and_json_count_other_processes_cpu_not_the_load_average(tmp_path, capsys):
+    """The load average counts the benchmarks' own threads; what other processes used
+    comes from /proc: a process spinning beside the run is about a core's worth."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        run_benchmarks("attention", quick=True, device="cpu", out=tmp_path, preset="tiny",
+                       threads=1)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    footer = capsys.readouterr().out.splitlines()[-1]
+    said = re.search(r"other processes used (\d+\.\d) of the \d+ cores on average", footer)
+    assert said and float(said.group(1)) > 0.6, footer
+    machine = json.loads((tmp_path / "attention.json").read_text())["machine"]
+    assert machine["others_load"] > 0.6
 
 
 def test_a_failing_benchmark_is_recorded_not_skipped(tmp_path, monkeypatch):

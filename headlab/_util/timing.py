@@ -93,24 +93,36 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def others_load(window: float = 0.5) -> float:
-    """Cores' worth of CPU that other processes use: on Linux, the busy time of every core
-    (/proc/stat) less this process's own (/proc/self/stat) over the next ``window``
-    seconds, so that a run's own threads do not count; elsewhere the 1-minute load
-    average."""
-    def sample() -> tuple[float, float, float]:
+def cpu_sample() -> tuple[int, int, float] | None:
+    """The busy clock ticks of every core (/proc/stat), this process's own ticks
+    (/proc/self/stat, all its threads) and the time; None where /proc is not Linux's."""
+    try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
         own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         return sum(fields) - idle, int(own[11]) + int(own[12]), time.perf_counter()
+    except (OSError, ValueError, IndexError):
+        return None
 
-    try:
-        busy0, own0, t0 = sample()
-        time.sleep(window)
-        busy1, own1, t1 = sample()
-    except (OSError, ValueError, IndexError):  # not Linux
+
+def others_between(start: tuple[int, int, float], end: tuple[int, int, float]) -> float:
+    """Cores' worth of CPU that other processes used between two `cpu_sample`s, on
+    average: every core's busy time less this process's own."""
+    (busy0, own0, t0), (busy1, own1, t1) = start, end
+    ticks = max(0, (busy1 - busy0) - (own1 - own0))
+    return ticks / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-9)
+
+
+def others_load(window: float = 0.5) -> float:
+    """Cores' worth of CPU that other processes use over the next ``window`` seconds, so
+    that a run's own threads do not count (`others_between`); where /proc is not Linux's,
+    the 1-minute load average."""
+    start = cpu_sample()
+    if start is None:
         return load_average()
-    return max(0.0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+    time.sleep(window)
+    end = cpu_sample()
+    return load_average() if end is None else others_between(start, end)
 
 
 def busy(load: float | None = None) -> str | None:

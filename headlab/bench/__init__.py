@@ -44,7 +44,15 @@ from typing import Any
 import torch
 
 from headlab._util.io import atomic_write_json, atomic_write_text
-from headlab._util.timing import busy, cores, load_average, machine_info, pinned_threads
+from headlab._util.timing import (
+    busy,
+    cores,
+    cpu_sample,
+    load_average,
+    machine_info,
+    others_between,
+    pinned_threads,
+)
 from headlab.bench._common import BenchResult, Figure, Target, markdown_table, versions
 from headlab.bench._models import TINY_BERT, TINY_GPT2, TINY_LLAMA, ModelCache, ModelSpec
 from headlab.bench.attention import AttentionSizes, bench_attention
@@ -153,6 +161,18 @@ def _device(name: str) -> str:
     return device
 
 
+def _others_said(start: tuple[int, int, float] | None) -> str:
+    """What the footer says of other processes' CPU since ``start`` (`cpu_sample`): the
+    load average cannot tell, as it counts the benchmarks' own threads."""
+    end = cpu_sample() if start is not None else None
+    if end is None:
+        return ""
+    others = others_between(start, end)
+    if busy(others) is None:
+        return "; other processes used no more than half a core"
+    return f" (other processes used {others:.1f} of the {cores()} cores on average)"
+
+
 def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
                    preset: str | None = None, threads: int | None = None) -> list[BenchResult]:
     """Run one benchmark or ``"all"``; write ``out/<name>.json`` for each and
@@ -180,6 +200,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
     loads = [load_average()]
     if (why := busy()) is not None:
         log.warning(why)
+    run_start = cpu_sample()
     results: list[BenchResult] = []
     cache = ModelCache(device)
     t_all = time.perf_counter()
@@ -192,6 +213,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
                 gc.collect()
                 t0 = time.perf_counter()
                 machine = machine_info(device)
+                bench_start = cpu_sample()
                 try:
                     result = BENCHMARKS[name](PRESETS[preset][name], device=device,
                                               models=cache)
@@ -200,6 +222,8 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
                     result = BenchResult(name, error=f"{type(exc).__name__}: {exc}")
                 result.elapsed_s = time.perf_counter() - t0
                 machine["load_average_after"] = machine_info(device)["load_average"]
+                if bench_start is not None:  # the load average counts the bench's threads
+                    machine["others_load"] = others_between(bench_start, cpu_sample())
                 loads.append(load_average())
                 results.append(result)
                 atomic_write_json(out / f"{name}.json",
@@ -212,8 +236,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
     footer = (f"\n{preset} preset on {device}, {time.perf_counter() - t_all:.0f} s; "
               f"{machine['cpu']}, {cores()} cores, {machine['torch_threads']} torch threads; "
               f"1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run"
-              + (" (above the core count: other processes shared the cores)"
-                 if max(loads) > cores() else "") + "\n")
+              + _others_said(run_start) + "\n")
     atomic_write_text(out / "summary.md",
                       f"# headlab bench {which}\n\n{context['date']}\n\n{table}{footer}")
     sys.stdout.write(table + footer)
