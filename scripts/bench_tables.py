@@ -1,7 +1,9 @@
 """Write docs/benchmarks.md's tables from reports/bench/*.json, between the markers
 ``<!-- bench:start -->`` and ``<!-- bench:end -->``: one table per benchmark, under a
-line that says where and when the JSON was measured; and the README's trade-off table
-(``bench recovery``'s) between ``<!-- tradeoff:start -->`` and ``<!-- tradeoff:end -->``.
+line that says where and when the JSON was measured; the README's trade-off table
+(``bench recovery``'s) between ``<!-- tradeoff:start -->`` and ``<!-- tradeoff:end -->``;
+and docs/kv-cache.md's long-context tables (``bench generate``'s) between
+``<!-- kvcache:start -->`` and ``<!-- kvcache:end -->``.
 Nothing in them is typed by hand.
 
     python scripts/bench_tables.py            # rewrite the tables
@@ -22,8 +24,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from generated_block import update  # noqa: E402
 
+from headlab._util.units import human_bytes  # noqa: E402
+
 MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
 TRADEOFF_MARKERS = ("<!-- tradeoff:start -->", "<!-- tradeoff:end -->")
+KV_MARKERS = ("<!-- kvcache:start -->", "<!-- kvcache:end -->")
 
 
 def _num(x: float | None) -> str:
@@ -52,6 +57,8 @@ def _setting(d: dict) -> str:
     if load:
         parts.append(f"1-minute load average {load[0]} before"
                      + (f", {after[0]} after" if after else ""))
+    if m.get("others_load") is not None:  # the load average counts the run's own threads
+        parts.append(f"other processes used {m['others_load']:.1f} cores on average")
     return "; ".join(parts)
 
 
@@ -137,6 +144,97 @@ def render_tradeoff(paths: list[Path]) -> str:
     return f"{TRADEOFF_MARKERS[0]}\n{body}\n{TRADEOFF_MARKERS[1]}"
 
 
+def _median(d: dict, figure: str) -> float | None:
+    f = d["figures"].get(figure)
+    return None if f is None else f["median"]
+
+
+def _x(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _meets(d: dict, figure: str) -> str:
+    """", target <= 0.5: yes" for a judged figure, "" for one only reported."""
+    for t in d.get("targets", []):
+        if t["figure"] == figure:
+            return f", target {t['op']} {t['target']:g}: {'yes' if t['meets'] else '**no**'}"
+    return ""
+
+
+_KV_NAMES = {"before": "as it came", "pruned": "michel's groups removed",
+             "demoted": "michel's groups demoted"}
+_CHOOSERS = {"retrieval": "the retrieval detector's", "gates": "DuoAttention's gates'"}
+
+
+def _kv_name(d: dict, name: str) -> str:
+    """A long-context model in words; a chooser's with the seconds it took to choose."""
+    if name in _KV_NAMES:
+        return _KV_NAMES[name]
+    by = name.removeprefix("demoted_by_")
+    seconds = (d["checks"].get("long_choosers") or {}).get(by, {}).get("seconds")
+    took = "" if seconds is None else f" (chosen in {seconds:.0f} s)"
+    whose = _CHOOSERS.get(by, f"{by}'s")
+    return f"{whose} groups demoted{took}"
+
+
+def _kv_cache(d: dict) -> list[str]:
+    """bench generate's long-context figures: per context the cache and the decoding
+    speed after kv-group pruning and demotion; the attention share's prediction; the
+    serving headroom; and what each choice of demoted groups costs in quality."""
+    figures, checks = d["figures"], d["checks"]
+    contexts = sorted(int(k.rsplit("_", 1)[1]) for k in figures
+                      if k.startswith("long_before_tokens_per_s_at_"))
+    if not contexts:
+        return []
+    rows = ["| context | cache as it came | cache kept: removed | demoted | decode tokens/s "
+            "as it came | speed-up: removed | demoted |", "|---" * 7 + "|"]
+    for c in contexts:
+        ratio = checks[f"long_cache_ratio_at_{c}"]
+        rows.append(f"| {c} | {human_bytes(_median(d, f'long_before_cache_bytes_at_{c}'))} | "
+                    f"{ratio['pruned']:.2f}x | {ratio['demoted']:.2f}x | "
+                    f"{_x(_median(d, f'long_before_tokens_per_s_at_{c}'), 1)} | "
+                    f"{_x(_median(d, f'long_pruned_speedup_at_{c}'))}x | "
+                    f"{_x(_median(d, f'long_demoted_speedup_at_{c}'))}x |")
+    share, predicted = (checks["long_attention_share_at_longest"],
+                        checks["long_predicted_demoted_speedup"])
+    rows += ["", f"At {contexts[-1]} tokens attention takes {share:.0%} of a decoding step "
+             f"of the model as it came, which predicts a {predicted:.2f}x speed-up from "
+             f"demotion; measured: {_x(_median(d, 'long_demoted_speedup_over_predicted'))} "
+             f"of the prediction{_meets(d, 'long_demoted_speedup_over_predicted')}."]
+    headroom = checks.get("long_headroom") or {}
+    if headroom:
+        budget = next(iter(headroom.values()))["budget"]
+        rows += ["", f"Serving headroom in the cache budget of the model as it came at "
+                 f"{headroom['before']['rows']} rows ({human_bytes(budget)}):", "",
+                 "| model | rows that fit | cache held | tokens/s |", "|---|---|---|---|"]
+        rows += [f"| {_kv_name(d, n)} | {h['rows']} | {human_bytes(h['held'])} | "
+                 f"{_x(_median(d, f'long_{n}_headroom_tokens_per_s'), 1)} |"
+                 for n, h in headroom.items()]
+    ppl = checks.get("long_perplexity") or {}
+    if ppl:
+        rows += ["", "| model | held-out perplexity | lost / removal's | needle accuracy | "
+                 "lost / removal's |", "|---|---|---|---|---|"]
+        for n, value in ppl.items():
+            name = _kv_name(d, n)
+            lost = [f"{_x(_median(d, f'long_{what}_lost_{n}_over_removed'), 3)}"
+                    f"{_meets(d, f'long_{what}_lost_{n}_over_removed')}"
+                    if f"long_{what}_lost_{n}_over_removed" in figures else "-"
+                    for what in ("quality", "needle")]
+            rows.append(f"| {name} | {_num(value)} | {lost[0]} | "
+                        f"{_x(_median(d, f'long_{n}_needle_accuracy'))} | {lost[1]} |")
+    return rows
+
+
+def render_kv_cache(paths: list[Path]) -> str:
+    """docs/kv-cache.md's block (markers included): generate.json's long-context tables
+    under the line that says where and when they were measured."""
+    found = [json.loads(Path(p).read_text()) for p in paths if Path(p).name == "generate.json"]
+    rows = _kv_cache(found[0]) if found else []
+    body = (f"{_setting(found[0])}\n\n" + "\n".join(rows) if rows
+            else "No long-context figures measured (`headlab bench generate` writes them).")
+    return f"{KV_MARKERS[0]}\n{body}\n{KV_MARKERS[1]}"
+
+
 def current_block(text: str, markers: tuple[str, str] = MARKERS) -> str:
     """The block between the page's ``markers``, markers included."""
     start, end = (text.index(m) for m in markers)
@@ -149,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("jsons", nargs="*", help="default: reports/bench/*.json")
     parser.add_argument("--readme", default=str(ROOT / "README.md"),
                         help="the page holding the trade-off table")
+    parser.add_argument("--kv-cache", default=str(ROOT / "docs" / "kv-cache.md"),
+                        help="the page holding the long-context tables")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if the tables are stale")
     args = parser.parse_intermixed_args(argv)
@@ -160,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     tradeoff = update(Path(args.readme), lambda t: current_block(t, TRADEOFF_MARKERS),
                       render_tradeoff(jsons), check=args.check, what="trade-off table",
                       markers=" and ".join(TRADEOFF_MARKERS), script="scripts/bench_tables.py")
-    return max(tables, tradeoff)
+    kv_cache = update(Path(args.kv_cache), lambda t: current_block(t, KV_MARKERS),
+                      render_kv_cache(jsons), check=args.check, what="long-context tables",
+                      markers=" and ".join(KV_MARKERS), script="scripts/bench_tables.py")
+    return max(tables, tradeoff, kv_cache)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -197,6 +197,9 @@ def test_benchmark_tables_are_the_committed_jsons():
     readme = (ROOT / "README.md").read_text()
     assert tables.current_block(readme, tables.TRADEOFF_MARKERS) == tables.render_tradeoff(
         jsons), "the README's trade-off table is stale: run python scripts/bench_tables.py"
+    kv_cache = (ROOT / "docs" / "kv-cache.md").read_text()
+    assert tables.current_block(kv_cache, tables.KV_MARKERS) == tables.render_kv_cache(
+        jsons), "docs/kv-cache.md's tables are stale: run python scripts/bench_tables.py"
 
 
 def test_bench_tables_script_rewrites_and_checks(tmp_path):
@@ -207,12 +210,15 @@ def test_bench_tables_script_rewrites_and_checks(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("intro\n{}\nold\n{}\n".format(*tables.TRADEOFF_MARKERS))
     jsons = sorted((ROOT / "reports" / "bench").glob("*.json"))
-    args = ["--readme", str(readme), *map(str, jsons)]
+    kv_cache = tmp_path / "kv-cache.md"
+    kv_cache.write_text("{}\nold\n{}\nend\n".format(*tables.KV_MARKERS))
+    args = ["--readme", str(readme), "--kv-cache", str(kv_cache), *map(str, jsons)]
     assert tables.main([str(page), *args]) == 0
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("\nafter\n")
     assert tables.current_block(text) == tables.render(jsons)
     assert readme.read_text() == f"intro\n{tables.render_tradeoff(jsons)}\n"
+    assert kv_cache.read_text() == f"{tables.render_kv_cache(jsons)}\nend\n"
     assert tables.main([str(page), "--check", *args]) == 0
     page.write_text(text.replace("| yes |", "| no |", 1).replace("| **no** |", "| x |", 1))
     assert tables.main([str(page), "--check", *args]) == 1
