@@ -105,9 +105,12 @@ def cpu_sample() -> tuple[int, int, float] | None:
         return None
 
 
-def others_between(start: tuple[int, int, float], end: tuple[int, int, float]) -> float:
-    """Cores' worth of CPU that other processes used between two `cpu_sample`s, on
-    average: every core's busy time less this process's own."""
+def others_since(start: tuple[int, int, float] | None) -> float | None:
+    """Cores' worth of CPU that other processes used since ``start`` (a `cpu_sample`), on
+    average: every core's busy time less this process's own; None where /proc cannot say."""
+    end = cpu_sample() if start is not None else None
+    if end is None:
+        return None
     (busy0, own0, t0), (busy1, own1, t1) = start, end
     ticks = max(0, (busy1 - busy0) - (own1 - own0))
     return ticks / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-9)
@@ -115,14 +118,13 @@ def others_between(start: tuple[int, int, float], end: tuple[int, int, float]) -
 
 def others_load(window: float = 0.5) -> float:
     """Cores' worth of CPU that other processes use over the next ``window`` seconds, so
-    that a run's own threads do not count (`others_between`); where /proc is not Linux's,
+    that a run's own threads do not count (`others_since`); where /proc is not Linux's,
     the 1-minute load average."""
     start = cpu_sample()
-    if start is None:
-        return load_average()
-    time.sleep(window)
-    end = cpu_sample()
-    return load_average() if end is None else others_between(start, end)
+    if start is not None:
+        time.sleep(window)
+    others = others_since(start)
+    return load_average() if others is None else others
 
 
 def busy(load: float | None = None) -> str | None:

@@ -50,7 +50,7 @@ from headlab._util.timing import (
     cpu_sample,
     load_average,
     machine_info,
-    others_between,
+    others_since,
     pinned_threads,
 )
 from headlab.bench._common import BenchResult, Figure, Target, markdown_table, versions
@@ -161,13 +161,11 @@ def _device(name: str) -> str:
     return device
 
 
-def _others_said(start: tuple[int, int, float] | None) -> str:
-    """What the footer says of other processes' CPU since ``start`` (`cpu_sample`): the
-    load average cannot tell, as it counts the benchmarks' own threads."""
-    end = cpu_sample() if start is not None else None
-    if end is None:
+def _others_said(others: float | None) -> str:
+    """What the footer says of the CPU other processes used during the run (`others_since`;
+    the load average cannot tell, as it counts the benchmarks' own threads)."""
+    if others is None:
         return ""
-    others = others_between(start, end)
     if busy(others) is None:
         return "; other processes used no more than half a core"
     return f" (other processes used {others:.1f} of the {cores()} cores on average)"
@@ -222,8 +220,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
                     result = BenchResult(name, error=f"{type(exc).__name__}: {exc}")
                 result.elapsed_s = time.perf_counter() - t0
                 machine["load_average_after"] = machine_info(device)["load_average"]
-                if bench_start is not None:  # the load average counts the bench's threads
-                    machine["others_load"] = others_between(bench_start, cpu_sample())
+                machine["others_load"] = others_since(bench_start)  # None: /proc cannot say
                 loads.append(load_average())
                 results.append(result)
                 atomic_write_json(out / f"{name}.json",
@@ -236,7 +233,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
     footer = (f"\n{preset} preset on {device}, {time.perf_counter() - t_all:.0f} s; "
               f"{machine['cpu']}, {cores()} cores, {machine['torch_threads']} torch threads; "
               f"1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run"
-              + _others_said(run_start) + "\n")
+              + _others_said(others_since(run_start)) + "\n")
     atomic_write_text(out / "summary.md",
                       f"# headlab bench {which}\n\n{context['date']}\n\n{table}{footer}")
     sys.stdout.write(table + footer)
