@@ -301,6 +301,23 @@ def test_predicted_speedup_scales_the_attention_share_by_the_keys_read():
                              context=1000) == pytest.approx(1.0, rel=1e-12)
 
 
+def test_bandwidth_speedup_counts_the_weights_and_cache_a_step_reads(gqa_dir):
+    from headlab.evaluate.cache import bandwidth_speedup, step_bytes
+    from headlab.pruning import copy_model
+
+    model = headlab.load(gqa_dir)
+    pruned = prune(copy_model(model), select_groups(HeadScores(TABLE, "hand"),
+                                                    kv_groups(model), 3))
+    weights = 4 * transformers.AutoModelForCausalLM.from_pretrained(gqa_dir).num_parameters()
+    cache = 2 * 3 * (2 * 8 * 4)  # layers x key/value heads x (K and V, D = 8, float32)
+    # 3 groups go: their 6 query heads (rows of q, columns of o) and 3 key/value heads
+    removed = 4 * (2 * 6 * 8 * 48 + 2 * 3 * 8 * 48)
+    assert step_bytes(model, 1000) == weights + 1000 * cache
+    assert step_bytes(pruned, 1000) == weights - removed + 1000 * cache // 2
+    assert bandwidth_speedup(model, pruned, context=1000) == pytest.approx(
+        (weights + 1000 * cache) / (weights - removed + 500 * cache), rel=1e-12)
+
+
 def test_per_layer_rounding_that_moves_the_kept_fraction_is_one_warning(gqa_dir, caplog):
     from headlab.runs.inputs import load_model
     from headlab.runs.pipeline import _target

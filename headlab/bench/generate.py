@@ -42,6 +42,7 @@ def _agree(a: torch.Tensor, b: torch.Tensor) -> int:
 def bench_generate(sizes: GenerateSizes, *, device: str = "cpu",
                    models: ModelCache | None = None) -> BenchResult:
     """Batch-1 greedy decoding tokens/s: kernel vs torch's products vs transformers."""
+    from headlab.evaluate.cache import step_bytes
     from headlab.models import kernels
     from headlab.models.generation import generate
 
@@ -77,7 +78,7 @@ def bench_generate(sizes: GenerateSizes, *, device: str = "cpu",
         n_copy = sizes.copy_mib * 2**20 // 4
         src = torch.ones(n_copy, device=device)
         dst = torch.empty_like(src)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes = step_bytes(model, 0)  # the weights alone
         outs: dict[str, torch.Tensor] = {}
 
         def run_headlab(kernel: bool):

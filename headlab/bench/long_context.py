@@ -32,7 +32,8 @@ from headlab.importance.gates import DEFAULT_STEPS as GATE_STEPS
 
 __all__ = ["LongContextSizes", "long_context_section"]
 
-# speed-up after demotion / the speed-up the attention share predicts, at the longest context
+# speed-up after demotion / the speed-up the attention share predicts, and after kv-group
+# pruning / the speed-up the bytes a step reads predict, at the longest context
 SPEEDUP_TARGET = 0.8
 # perplexity (and needle accuracy) lost by demoting the groups / lost by removing them
 QUALITY_TARGET = 0.5
@@ -116,7 +117,12 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
     """Add the long-context figures, checks and targets to ``res`` (see the module)."""
     from headlab.attention.streaming import n_streaming
     from headlab.data.blocks import Blocks
-    from headlab.evaluate.cache import attention_share, decode_step_times, predicted_speedup
+    from headlab.evaluate.cache import (
+        attention_share,
+        bandwidth_speedup,
+        decode_step_times,
+        predicted_speedup,
+    )
     from headlab.importance import score
     from headlab.pruning import copy_model, demote, prune
     from headlab.selection import heads_to_keep, kv_groups, select_groups
@@ -156,7 +162,9 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
         "time from the query (after rotary) to the per-head outputs, summed over layers, / "
         "the whole decoding step, on the unpruned model at the longest context; predicted "
         "demotion speed-up = 1 / ((1 - share) + share x (kv_full + kv_demoted x min(1, "
-        "(sinks + window) / context)) / kv_heads)")
+        "(sinks + window) / context)) / kv_heads); predicted kv-group pruning speed-up = "
+        "the bytes a step reads before / after: every weight once and the whole cache "
+        "(headlab.evaluate.cache.step_bytes)")
     res.method["long_context_quality"] = (
         f"perplexity of one held-out block of {quality_len} tokens ({source}, after the "
         "scoring tokens), every position scored; lost = perplexity - the unpruned one")
@@ -186,6 +194,14 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
                    what=f"decoding speed-up after demoting {1 - sizes.kv_keep:g} of the "
                         f"groups at {longest} tokens / the speed-up the attention share "
                         f"({share:.2f}) predicts ({predicted:.2f}x)")
+    by_bytes = bandwidth_speedup(model, pruned, context=longest)
+    res.checks["long_predicted_pruned_speedup"] = by_bytes
+    measured = res.figures[f"long_pruned_speedup_at_{longest}"].samples
+    res.add("long_pruned_speedup_over_predicted", [m / by_bytes for m in measured], "x")
+    res.add_target("long_pruned_speedup_over_predicted", target=SPEEDUP_TARGET, op=">=",
+                   what=f"decoding speed-up after removing {1 - sizes.kv_keep:g} of the groups "
+                        f"at {longest} tokens / the speed-up the bytes a step reads (weights "
+                        f"+ cache) predict ({by_bytes:.2f}x)")
     _headroom(res, models, sizes)
     judged = {**models, **chosen}
     ppl = {name: _perplexity(m, heldout) for name, m in judged.items()}

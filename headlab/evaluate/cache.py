@@ -177,6 +177,21 @@ def predicted_speedup(share: float, *, kv_full: int, kv_demoted: int, slots: int
     return 1.0 / ((1 - share) + share * after)
 
 
+def step_bytes(model: HeadModel, context: int) -> int:
+    """The bytes a batch-1 decoding step reads at ``context`` positions: every weight
+    once (the output head reads its whole matrix; a tied one is counted once) and the
+    whole key/value cache. An untied input embedding, of which a step reads one row, is
+    counted whole: a small overestimate."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights + model.kv_cache_bytes(context)
+
+
+def bandwidth_speedup(before: HeadModel, after: HeadModel, *, context: int) -> float:
+    """The decoding speed-up ``after`` should give if a step is bound by the bytes it
+    reads (`step_bytes`), as batch-1 decoding on a CPU is."""
+    return step_bytes(before, context) / step_bytes(after, context)
+
+
 def max_batch(model: HeadModel, *, length: int, budget_bytes: int) -> int:
     """The most rows whose key/value cache holding ``length`` positions fits in
     ``budget_bytes``: each row holds `HeadModel.kv_cache_bytes` (the kept key/value
