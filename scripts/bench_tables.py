@@ -201,12 +201,11 @@ def _kv_cache(d: dict) -> list[str]:
              f"of the model as it came, which predicts a {predicted:.2f}x speed-up from "
              f"demotion; measured: {_x(_median(d, 'long_demoted_speedup_over_predicted'))} "
              f"of the prediction{_meets(d, 'long_demoted_speedup_over_predicted')}."]
-    by_bytes = checks.get("long_predicted_pruned_speedup")
-    if by_bytes is not None:  # runs before this figure was measured leave it out
-        rows[-1] += (f" Removing the groups shrinks what a step reads (every weight once, "
-                     f"the whole cache) by a factor that predicts {by_bytes:.2f}x; measured: "
-                     f"{_x(_median(d, 'long_pruned_speedup_over_predicted'))} of the "
-                     f"prediction{_meets(d, 'long_pruned_speedup_over_predicted')}.")
+    rows[-1] += (" Removing the groups shrinks what a step reads (every weight once, the "
+                 "whole cache) by a factor that predicts "
+                 f"{checks['long_predicted_pruned_speedup']:.2f}x; measured: "
+                 f"{_x(_median(d, 'long_pruned_speedup_over_predicted'))} of the "
+                 f"prediction{_meets(d, 'long_pruned_speedup_over_predicted')}.")
     headroom = checks.get("long_headroom") or {}
     if headroom:
         budget = next(iter(headroom.values()))["budget"]

@@ -43,8 +43,7 @@ class RecoverySizes:
     also: dict[str, float] = field(default_factory=lambda: {"rescale": 1.0})
     # distillation after ``method`` on the causal LMs: calibration tokens it trains on
     # (read from the corpus apart from the scoring blocks), its bound on the loss kept
-    # (of the loss without repair) and on its seconds. 65536 tokens took 612 s (SmolLM2)
-    # and 941 s (Gemma-3, its 262k-token output head in every step) on two cores
+    # (of the loss without repair) and on its seconds
     distill_tokens: int | None = 32768
     distill_target: float = 0.1
     distill_seconds: float = 600.0

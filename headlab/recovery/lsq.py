@@ -31,7 +31,7 @@ from torch import nn
 from headlab.attention import MultiHeadAttention
 from headlab.recovery.layerwise import DownFit, LayerFit
 
-DEFAULT_RIDGE = 0.3  # measured on both bundled models: README, "Prune and repair"
+DEFAULT_RIDGE = 0.3  # a study on calibration articles: docs/prune-and-repair.md
 
 
 class NormalEquations:
