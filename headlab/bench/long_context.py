@@ -187,21 +187,12 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
     predicted = predicted_speedup(share, kv_full=kv_full, kv_demoted=kv_dem,
                                   slots=sizes.sinks + sizes.window, context=longest)
     res.checks["long_attention_share_at_longest"] = share
-    res.checks["long_predicted_demoted_speedup"] = predicted
-    measured = res.figures[f"long_demoted_speedup_at_{longest}"].samples
-    res.add("long_demoted_speedup_over_predicted", [m / predicted for m in measured], "x")
-    res.add_target("long_demoted_speedup_over_predicted", target=SPEEDUP_TARGET, op=">=",
-                   what=f"decoding speed-up after demoting {1 - sizes.kv_keep:g} of the "
-                        f"groups at {longest} tokens / the speed-up the attention share "
-                        f"({share:.2f}) predicts ({predicted:.2f}x)")
-    by_bytes = bandwidth_speedup(model, pruned, context=longest)
-    res.checks["long_predicted_pruned_speedup"] = by_bytes
-    measured = res.figures[f"long_pruned_speedup_at_{longest}"].samples
-    res.add("long_pruned_speedup_over_predicted", [m / by_bytes for m in measured], "x")
-    res.add_target("long_pruned_speedup_over_predicted", target=SPEEDUP_TARGET, op=">=",
-                   what=f"decoding speed-up after removing {1 - sizes.kv_keep:g} of the groups "
-                        f"at {longest} tokens / the speed-up the bytes a step reads (weights "
-                        f"+ cache) predict ({by_bytes:.2f}x)")
+    _judge_speedup(res, "demoted", predicted, longest,
+                   f"demoting {1 - sizes.kv_keep:g} of the groups", f"the attention share "
+                   f"({share:.2f})")
+    _judge_speedup(res, "pruned", bandwidth_speedup(model, pruned, context=longest), longest,
+                   f"removing {1 - sizes.kv_keep:g} of the groups",
+                   "the bytes a step reads (weights + cache)")
     _headroom(res, models, sizes)
     judged = {**models, **chosen}
     ppl = {name: _perplexity(m, heldout) for name, m in judged.items()}
@@ -212,6 +203,18 @@ def long_context_section(res: BenchResult, model, sizes: LongContextSizes,
                     what=f"held-out perplexity lost at {quality_len} tokens: demoting the "
                          f"groups {_by(name)} / removing michel's")
     _needle_half(res, judged, held, sizes, source)
+
+
+def _judge_speedup(res: BenchResult, name: str, predicted: float, context: int, done: str,
+                   by: str) -> None:
+    """Hold model ``name``'s measured decoding speed-up at ``context`` against the one
+    ``by`` predicts (check ``long_predicted_<name>_speedup``)."""
+    res.checks[f"long_predicted_{name}_speedup"] = predicted
+    measured = res.figures[f"long_{name}_speedup_at_{context}"].samples
+    res.add(f"long_{name}_speedup_over_predicted", [m / predicted for m in measured], "x")
+    res.add_target(f"long_{name}_speedup_over_predicted", target=SPEEDUP_TARGET, op=">=",
+                   what=f"decoding speed-up after {done} at {context} tokens / the speed-up "
+                        f"{by} predicts ({predicted:.2f}x)")
 
 
 def _by(name: str) -> str:
