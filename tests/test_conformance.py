@@ -41,6 +41,7 @@ from headlab.analysis.patching import logit_diff, patch, patched_metric
 from headlab.attention.hooks import hook_names
 from headlab.detectors import detect, kinds_for
 from headlab.errors import UserError
+from headlab.evaluate.cache import step_bytes
 from headlab.importance import METHODS, TARGETED, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
@@ -236,11 +237,14 @@ def test_gate_equals_prune(family, loaded):
 
 
 @each_family
-def test_kv_groups(family, loaded):
+def test_kv_groups(family, loaded, checkpoints):
     """Pruning by GQA group keeps whole groups, and the key/value cache per token
     shrinks by the key/value heads removed, in the figure and in the keys attention
-    produces (the k and v hooks are what the cache stores)."""
+    produces (the k and v hooks are what the cache stores); the bytes a decoding step
+    reads are transformers' weights and that cache."""
     _skip_unless_applies(family, "kv-groups")
+    hf_weights = 4 * _hf(checkpoints(family), MATRIX[family].causal).num_parameters()
+    assert step_bytes(loaded(family), 0) == hf_weights  # float32, tied matrices once
     model = copy_model(loaded(family))
     groups = kv_groups(model)
     before, kv_before = model.kv_cache_bytes_per_token(), sum(model.kv_heads_per_layer)
@@ -260,6 +264,7 @@ def test_kv_groups(family, loaded):
         model(ids, cache=model.new_cache())
     stored = sum(t[0, 0].numel() * t.element_size() for t in cap.tensors.values())
     assert stored == after
+    assert step_bytes(model, 7) - step_bytes(model, 0) == 7 * stored
 
 
 @each_family
