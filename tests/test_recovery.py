@@ -39,7 +39,7 @@ from headlab.recovery import (
     recover,
     solve_ridge,
 )
-from headlab.recovery.lsq import NormalEquations
+from headlab.recovery.lsq import DownProjection, NormalEquations
 from headlab.schedule import prune_to_target
 from headlab.selection import select
 
@@ -189,6 +189,25 @@ def test_normal_equations_equal_numpy_sums(fast):
             assert _relative(eq.xtx.numpy(), xd.T @ xd) < tol
             assert _relative(eq.xty.numpy(), xd.T @ yd) < tol
             assert eq.rows == rows[-1] + 1
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_sum_of_squared_errors_from_the_sums_equals_numpy(fast):
+    """`NormalEquations.sse(W)` = ||X W - Y||^2 from X^T X, X^T Y and ||Y||^2, against
+    float64 numpy, for W near the fit, where the error is 1% of ||Y||^2 and the three
+    terms cancel to it: relative 1e-4 with float32 products, 1e-9 without."""
+    gen = np.random.default_rng(3)
+    x = (gen.normal(size=(3000, 200)) + 0.3).astype(np.float32)  # (N, P)
+    w_true = gen.normal(size=(200, 9)) / 14
+    y = (x @ w_true + 0.1 * gen.normal(size=(3000, 9))).astype(np.float32)  # (N, E)
+    eq = NormalEquations(200, 9, torch.device("cpu"), fast=fast)
+    for rows in np.array_split(np.arange(3000), 5):
+        eq.add(torch.from_numpy(x[rows]), torch.from_numpy(y[rows]))
+    w = w_true + 0.001 * gen.normal(size=w_true.shape)
+    xd, yd = x.astype(np.float64), y.astype(np.float64)
+    expected = float(np.square(xd @ w - yd).sum())
+    assert 0.005 < expected / float(np.square(yd).sum()) < 0.05
+    assert eq.sse(torch.from_numpy(w)) == pytest.approx(expected, rel=1e-4 if fast else 1e-9)
 
 
 def test_rank_deficient_ridge_zero_falls_back_to_least_squares():
@@ -644,9 +663,12 @@ def _family(case: str, directory):
 
 
 @pytest.mark.parametrize("case", LSQ_FAMILIES)
-def test_lsq_refits_the_mlp_down_projection_of_every_family(case, tmp_path):
+def test_lsq_refits_the_mlp_down_projection_of_every_family(case, tmp_path, monkeypatch):
     """Each layer's attention and MLP errors after the fit are never above before, and
-    the MLP refit ran in every layer (its errors are in the report's JSON)."""
+    the MLP refit ran in every layer (its errors are in the report's JSON). The walk
+    never runs the old down projection: the error before comes from the fit's sums,
+    which here equal the old weights applied to the very rows the fit was shown
+    (float64, relative 1e-4: the sums' products are float32)."""
     reference, vocab = _family(case, tmp_path)
     reference.eval()
     gen = torch.Generator().manual_seed(0)
@@ -655,7 +677,26 @@ def test_lsq_refits_the_mlp_down_projection_of_every_family(case, tmp_path):
     model = _pruned(reference, {0: [0, 3], 1: [1]})
     down_before = [model.blocks[i].get_submodule(model.mlp_down).weight.detach().clone()
                    for i in range(model.n_layers)]
+    shown, from_sums = {}, []
+    add, error_before = DownProjection.add, DownProjection.error_before
+
+    def keep(fit, act, y):
+        shown.setdefault(id(fit), []).append((act.double(), y.double()))
+        add(fit, act, y)
+
+    def checked(fit):
+        w, b = fit.linear.weight.double(), fit.linear.bias
+        direct = sum(float((a @ w.T + (0 if b is None else b.double()) - y).square().sum())
+                     for a, y in shown[id(fit)])
+        from_sums.append((error_before(fit), direct))
+        return from_sums[-1][0]
+
+    monkeypatch.setattr(DownProjection, "add", keep)
+    monkeypatch.setattr(DownProjection, "error_before", checked)
     report = recover(model, reference, blocks, method="lsq", ridge=1e-2)
+    assert len(from_sums) == reference.n_layers
+    for ours, direct in from_sums:
+        assert ours == pytest.approx(direct, rel=1e-4)
     assert [e.layer for e in report.layers] == list(range(reference.n_layers))
     for e, layer in zip(report.to_json()["layers"], report.layers, strict=True):
         assert e["mlp_error_before"] is not None and e["mlp_error_after"] is not None

@@ -16,7 +16,9 @@ layer i the walk
   3. with ``down`` (lsq, rescale), runs the pruned block with that attention output (z
      through the new W_O) and refits the MLP's down projection so that the block's residual
      sum after the MLP matches the reference's (`headlab.recovery.lsq.DownProjection`,
-     `headlab.recovery.rescale.DownRescale`);
+     `headlab.recovery.rescale.DownRescale`). The down projection itself is left out of
+     that run (its input is all the fit needs) and runs once, with the new weights; the
+     error before comes from the fit's sums (`DownFit.error_before`);
   4. advances the pruned stream by the block, its sublayers answering with the outputs
      computed in 2 and 3 (the norms and residual sums around them are the block's own).
 
@@ -29,14 +31,15 @@ the reference's attention output alone; so it is, and the MLP's, behind a post-n
 space, and added to a target in the projection's space it asks for a fit that
 follows neither.
 
-Each block runs once per stream, and the pruned block's attention and MLP once more
-each: about two forwards without the output head, where a full pass per layer would
-cost L of them. The streams and one layer's targets take N x E values each (N
+Each block runs once per stream, and the pruned block's attention and MLP (less its down
+projection) once more each: about two forwards without the output head, where a full
+pass per layer would cost L of them. The streams and one layer's targets take N x E values each (N
 scoring tokens); with ``down`` one layer's MLP activations N x F are kept too.
 
 Fits see real tokens only (attention_mask), flattened: z (N, H, D), y (N, E).
-A layer that already reproduces the reference exactly (error 0) is left as it is.
-The errors are ``||Y_hat - Y||^2 / ||Y||^2`` over real tokens, in float64.
+A layer that already reproduces the reference exactly (error 0; for the MLP, its block
+input and residual equal the reference's on every batch) is left as it is. The errors
+are ``||Y_hat - Y||^2 / ||Y||^2`` over real tokens, summed over batches in float64.
 
 Every refitted projection is replaced, not written into: on any failure, a non-finite
 fit included, the original modules are put back and the model is as it came. In a
@@ -47,22 +50,29 @@ back (`headlab.recovery.sharded`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from headlab._util.progress import track
 from headlab.attention import MultiHeadAttention
-from headlab.attention.hooks import hooks
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
 from headlab.recovery.report import LayerError
 from headlab.recovery.sharded import RowWriter, gathered, is_fsdp, ready
+from headlab.recovery.sublayers import (
+    Real,
+    down_owner,
+    down_projection,
+    fixed,
+    head_outputs,
+    skipped_down,
+    tap,
+)
 
 
 class LayerFit:
@@ -84,17 +94,23 @@ class LayerFit:
 
 
 class DownFit:
-    """A refit of one block's MLP down projection (F -> E), shown every scoring batch."""
+    """A refit of one block's MLP down projection (F -> E), shown every scoring batch.
+    The walk never computes the projection's output with its weights as they came: a fit
+    that needs it computes it from ``act``."""
 
     linear: nn.Linear
 
-    def add(self, act: torch.Tensor, y: torch.Tensor, y_hat: torch.Tensor) -> None:
-        """act (N, F): the down projection's input; y (N, E): the output it should give;
-        y_hat (N, E): the output it gives now."""
+    def add(self, act: torch.Tensor, y: torch.Tensor) -> None:
+        """act (N, F): the down projection's input; y (N, E): the output it should give."""
 
     def solve(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The new (weight (E, F), bias (E,) or None), or None to leave it."""
         return None
+
+    def error_before(self) -> float:
+        """||act W^T + b - y||^2 over every row added, the weights as they came (asked
+        only after a `solve` that returned new weights, before they are installed)."""
+        raise NotImplementedError
 
 
 # (layer, reference attention, pruned attention) -> the layer's fit, or None: report only
@@ -161,7 +177,7 @@ class _Walk:
         for model in (pruned, reference):
             if is_fsdp(model):
                 ready(model, batches[0][0])
-        self.real = [mask.bool() for _, mask in batches]  # (B, S) each
+        self.real = [Real(mask.bool()) for _, mask in batches]
         self.ref_in = [reference.block_inputs(ids, mask) for ids, mask in batches]
         self.pruned_in = [pruned.block_inputs(ids, mask) for ids, mask in batches]
         self.ref_h = [x.hidden for x in self.ref_in]  # (B, S, E) each: reference stream
@@ -179,25 +195,26 @@ class _Walk:
     def _layer(self, i: int, make_fit: MakeFit, residual: bool,
                make_down: MakeDown | None) -> LayerError:
         fit = make_fit(i, self.reference.attentions[i], self.pruned.attentions[i])
-        down = make_down(_down(self.pruned, i)) if make_down is not None else None
+        down = make_down(down_projection(self.pruned, i)) if make_down is not None else None
         attn_refs, mlp_refs = self._reference(i, fit, mlp=down is not None)
         # Y = attn_ref + (x_ref - x): the pruned sum matches the reference's; where the
         # streams agree, Y is the reference's output exactly
         block = self.pruned.blocks[i]
         attn_drift = residual and _added_as_is(block, "attn")
-        targets = [y + (h_ref - h[r]) if attn_drift else y
+        targets = [y + (h_ref - r(h)) if attn_drift else y
                    for (y, h_ref), h, r in zip(attn_refs, self.pruned_h, self.real,
                                                strict=True)]
         attn_out, before = self._fit_attention(i, fit, targets)
         after = _Error()
         for b, out in enumerate(attn_out):
-            after.add(out[self.real[b]], targets[b])
+            after.add(self.real[b](out), targets[b])
         mlp_drift = residual and _added_as_is(block, "mlp")
-        mlp_out, mlp_errors = (self._fit_down(i, down, attn_out, mlp_refs, residual=mlp_drift)
+        mlp_out, mlp_errors = (self._fit_down(i, down, attn_out, mlp_refs, attn_refs,
+                                              residual=mlp_drift)
                                if down is not None else (None, (None, None)))
         # the repaired block's output, its sublayers' outputs as just computed
         for b, x in enumerate(self.pruned_in):
-            with _fixed(self.pruned, i, attn_out[b], None if mlp_out is None
+            with fixed(self.pruned, i, attn_out[b], None if mlp_out is None
                         else mlp_out[b]):
                 self.pruned_h[b] = x.block(i, self.pruned_h[b])
         return LayerError(i, after.value if before is None else before.value, after.value,
@@ -211,14 +228,14 @@ class _Walk:
         attn_refs, mlp_refs = [], []
         for b, x in enumerate(self.ref_in):
             r = self.real[b]
-            with _tap(self.reference, i, mlp=mlp) as seen:
+            with tap(self.reference, i, mlp=mlp) as seen:
                 h_in = self.ref_h[b]
                 self.ref_h[b] = x.block(i, h_in)
-            attn_refs.append((seen["out"][r], h_in[r]))
+            attn_refs.append((r(seen["out"]), r(h_in)))
             if mlp:
-                mlp_refs.append((seen["mlp"][r], seen["mid"][r]))
+                mlp_refs.append((r(seen["mlp"]), r(seen["mid"])))
             if fit is not None:
-                fit.reference(_z(seen, ref_attn, r), seen["out"][r])
+                fit.reference(head_outputs(seen, ref_attn, r), r(seen["out"]))
         return attn_refs, mlp_refs
 
     def _fit_attention(self, i: int, fit: LayerFit | None, targets):
@@ -229,13 +246,13 @@ class _Walk:
         before = _Error()
         zs = []
         for b, x in enumerate(self.pruned_in):
-            with _tap(self.pruned, i) as seen:
+            with tap(self.pruned, i) as seen:
                 out = x.attention(i, self.pruned_h[b])  # (B, S, E)
             zs.append(seen.get("z"))
             if fit is not None:
                 r = self.real[b]
-                before.add(out[r], targets[b])
-                fit.pruned(_z(seen, attn, r), targets[b])
+                before.add(r(out), targets[b])
+                fit.pruned(head_outputs(seen, attn, r), targets[b])
         if fit is not None and before.diff != 0:
             new = _solve(fit, i, self.method)
             if new is not None:
@@ -248,32 +265,41 @@ class _Walk:
             outs.append(attn.o_proj(z.reshape(*z.shape[:2], -1)))  # (B, S, E)
         return outs, (before if fit is not None else None)
 
-    def _fit_down(self, i: int, down: DownFit, attn_out, mlp_refs, *, residual: bool):
+    def _fit_down(self, i: int, down: DownFit, attn_out, mlp_refs, attn_refs, *,
+                  residual: bool):
         """Refit block i's down projection on the pruned stream, its attention repaired;
-        return the MLP's outputs after (B, S, E) per batch, and the errors before, after."""
-        before, after = _Error(), _Error()
-        acts, ys = [], []
+        return the MLP's outputs after (B, S, E) per batch, and the errors before, after.
+        The projection's output with the old weights is never computed: the error before
+        comes from the fit's sums (`DownFit.error_before`), and where the block's input
+        and MLP residual equal the reference's on every batch, it is 0 and no fit runs."""
+        acts, ys, same = [], [], True
         for b, x in enumerate(self.pruned_in):
-            with _fixed(self.pruned, i, attn_out[b], None), \
-                    _tap(self.pruned, i, attn=False, mlp=True) as seen:
+            with fixed(self.pruned, i, attn_out[b], None), skipped_down(self.pruned, i), \
+                    tap(self.pruned, i, attn=False, mlp=True) as seen:
                 x.block(i, self.pruned_h[b])
             r = self.real[b]
             m_ref, mid_ref = mlp_refs[b]
+            mid = r(seen["mid"])
+            same = (same and torch.equal(mid, mid_ref)
+                    and torch.equal(r(self.pruned_h[b]), attn_refs[b][1]))
             # (N, E): the sums after the MLP agree, or with a post-norm its outputs
-            y = m_ref + (mid_ref - seen["mid"][r]) if residual else m_ref
-            before.add(seen["mlp"][r], y)
-            down.add(seen["act"][r], y, seen["mlp"][r])
+            y = m_ref + (mid_ref - mid) if residual else m_ref
+            down.add(r(seen["act"]), y)
             acts.append(seen["act"])
             ys.append(y)
-        new = _solve(down, i, self.method) if before.diff != 0 else None
+        new = None if same else _solve(down, i, self.method)
+        before = down.error_before() if new is not None else None
         if new is not None:
-            owner, name = _down_owner(self.pruned, i)
+            owner, name = down_owner(self.pruned, i)
             self.installer.install(self.pruned.blocks[i], owner, name, *new)
-        linear = _down(self.pruned, i)
+        linear = down_projection(self.pruned, i)
         outs = [linear(act) for act in acts]  # the down projection ends the MLP
+        after = _Error()
         for b, out in enumerate(outs):
-            after.add(out[self.real[b]], ys[b])
-        return outs, (before.value, after.value)
+            after.add(self.real[b](out), ys[b])
+        if before is not None:  # the weights changed: the same ||Y||^2, another error
+            return outs, (_Error.ratio(before, after.norm), after.value)
+        return outs, (after.value, after.value)
 
 
 class _Replacer:
@@ -304,46 +330,13 @@ class _Replacer:
         self.replaced.clear()
 
 
-class _Output(nn.Module):
-    """Stands in for a block's sublayer: returns the output it was given, computed
-    already, whatever it is called with."""
-
-    def __init__(self, out: torch.Tensor) -> None:
-        super().__init__()
-        self.out = out
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.out
-
-
-@contextlib.contextmanager
-def _fixed(model: HeadModel, i: int, attn_out: torch.Tensor,
-           mlp_out: torch.Tensor | None) -> Iterator[None]:
-    """Block i with its attention (and MLP, if given) answering with these outputs
-    (B, S, E): the residual sums and norms around them are the block's own."""
-    block = model.blocks[i]
-    attn, mlp = block.attn, block.mlp
-    block.attn = _Output(attn_out)
-    if mlp_out is not None:
-        block.mlp = _Output(mlp_out)
-    try:
-        yield
-    finally:
-        block.attn, block.mlp = attn, mlp
-
-
-def _down(model: HeadModel, i: int) -> nn.Linear:
-    owner, name = _down_owner(model, i)
-    return getattr(owner, name)
-
-
 def refitted(model: HeadModel) -> list[tuple[nn.Module, str, nn.Module]]:
     """(owner, name, module) of every projection a walk may replace: each W_O and, where
     the family names it, each MLP down projection. Setting them back undoes a walk."""
     found = [(a, "o_proj", a.o_proj) for a in model.attentions]
     if model.mlp_down:  # None or Absent(why): no down projection to replace
         for i in range(model.n_layers):
-            owner, name = _down_owner(model, i)
+            owner, name = down_owner(model, i)
             found.append((owner, name, getattr(owner, name)))
     return found
 
@@ -354,52 +347,6 @@ def _added_as_is(block: nn.Module, sublayer: str) -> bool:
     the normalised space, not the projection's: such a sublayer is fitted to the
     reference's output alone."""
     return getattr(block, f"{sublayer}_post_norm", None) is None
-
-
-def _down_owner(model: HeadModel, i: int) -> tuple[nn.Module, str]:
-    """The module holding block i's MLP down projection, and its attribute name."""
-    path, name = model.mlp_down.rsplit(".", 1)
-    return model.blocks[i].get_submodule(path), name
-
-
-@contextlib.contextmanager
-def _tap(model: HeadModel, layer: int, *, attn: bool = True,
-         mlp: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-    """Keep the layer's z (B, S, H, D) and attention output (B, S, E) of the next call
-    (unless not ``attn``); with ``mlp`` the residual its MLP's output is added to
-    ``mid`` (B, S, E, see the module docstring), the MLP's output ``mlp`` (B, S, E) and
-    the down projection's input ``act`` (B, S, F)."""
-    seen: dict[str, torch.Tensor] = {}
-
-    def keep(t: torch.Tensor, name: str) -> None:
-        seen[name.rsplit(".", 1)[-1]] = t
-
-    names = {f"blocks.{layer}.attn.z": keep, f"blocks.{layer}.attn.out": keep} if attn else {}
-    handles = []
-    if mlp:
-        names[f"blocks.{layer}.resid_mid"] = lambda t, name: seen.__setitem__("mid", t)
-        names[f"blocks.{layer}.resid_post"] = lambda t, name: seen.__setitem__("post", t)
-        block = model.blocks[layer]
-        handles.append(block.mlp.register_forward_hook(
-            lambda _m, _args, out: seen.__setitem__("mlp", out)))
-        handles.append(_down(model, layer).register_forward_pre_hook(
-            lambda _m, args: seen.__setitem__("act", args[0])))
-    try:
-        with hooks(model, names):
-            yield seen
-        if mlp and "mid" not in seen:  # a parallel residual (module docstring)
-            seen["mid"] = seen["post"] - seen["mlp"]
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _z(seen: dict[str, torch.Tensor], attn: MultiHeadAttention, real: torch.Tensor):
-    """The real tokens' z (N, H, D); a layer with no head left never reaches its z hook."""
-    if "z" in seen:
-        return seen["z"][real]
-    out = seen["out"]
-    return out.new_zeros(int(real.sum()), 0, attn.head_dim)
 
 
 def _solve(fit: LayerFit | DownFit, layer: int, method: str):
@@ -422,19 +369,26 @@ def _not_finite(method: str, layer: int, detail: str) -> UserError:
 
 
 class _Error:
-    """Sums ||Y_hat - Y||^2 and ||Y||^2 over batches, in float64."""
+    """Sums ||Y_hat - Y||^2 and ||Y||^2 over batches: each batch's in its own dtype
+    (torch sums pairwise: relative rounding ~1e-7 in float32), the batches' in float64."""
 
     def __init__(self) -> None:
         self.diff = 0.0
         self.norm = 0.0
 
     def add(self, y_hat: torch.Tensor, y: torch.Tensor) -> None:
-        y = y.double()
-        self.diff += float((y_hat.double() - y).pow(2).sum())
-        self.norm += float(y.pow(2).sum())
+        if y.dtype.itemsize < 4:  # bfloat16, float16: sums that precise are of no use
+            y_hat, y = y_hat.float(), y.float()
+        self.diff += float((y_hat - y).square().sum())
+        self.norm += float(y.square().sum())
 
     @property
     def value(self) -> float:
-        if self.norm > 0:
-            return self.diff / self.norm
-        return 0.0 if self.diff == 0 else math.inf
+        return self.ratio(self.diff, self.norm)
+
+    @staticmethod
+    def ratio(diff: float, norm: float) -> float:
+        """diff / norm; 0 for 0 / 0 and inf for anything else over 0."""
+        if norm > 0:
+            return diff / norm
+        return 0.0 if diff == 0 else math.inf

@@ -15,9 +15,10 @@ Because Y comes from the reference's own stream, the fit also corrects the drift
 that earlier layers leave in the pruned stream. Kwon et al.'s own, cheaper variant,
 one scale per kept head, is ``rescale`` (`headlab.recovery.rescale`).
 
-X^T X and X^T Y are summed in float64 over batches (memory O((H*D)^2 + H*D*E) per
-layer; at most 2048 rows of activations are held), the products taken in float32 when
-a ridge bounds the solve's conditioning (`NormalEquations`). The ridge pulls toward
+X^T X, X^T Y and ||Y||^2 are summed in float64 over batches (memory O((H*D)^2 + H*D*E)
+per layer; at most 2048 rows of activations are held), the products taken in float32
+when a ridge bounds the solve's conditioning (`NormalEquations`); the error of any W
+follows from them. The ridge pulls toward
 the current weights, with lambda = ridge * mean(diag(X^T X)), so the fitted error is
 never above the error of the weights as they were. Solved by Cholesky, by least
 squares if that fails.
@@ -56,6 +57,7 @@ class NormalEquations:
         self._xty = torch.zeros(p, e, dtype=torch.float64, device=device)
         self.dtype = torch.float32 if fast else torch.float64
         self._rows = 0
+        self._yty = 0.0  # ||Y||^2
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (x, y) not yet summed
         self._held = 0  # rows in _pending
 
@@ -82,6 +84,7 @@ class NormalEquations:
             block = x[:, a:a + width].T @ x[:, a:]  # (width, P - a)
             self._upper[a:a + width, a:] += block.to(self._xty.device, torch.float64)
         self._xty += (x.T @ y).to(self._xty.device, torch.float64)
+        self._yty += float(y.square().sum())
         self._rows += x.shape[0]
 
     @property
@@ -98,6 +101,14 @@ class NormalEquations:
         """X^T Y (P, E), float64."""
         self._flush()
         return self._xty
+
+    def sse(self, w: torch.Tensor) -> float:
+        """||X W - Y||^2 for W (P, E), from the sums: tr(W^T X^T X W) - 2 tr(W^T X^T Y)
+        + ||Y||^2, the first product at the products' precision."""
+        w = w.to(self._xty.device, torch.float64)
+        xtx_w = (self.xtx.to(self.dtype) @ w.to(self.dtype)).double()  # (P, E)
+        value = float((w * xtx_w).sum() - 2 * (w * self.xty).sum()) + self._yty
+        return max(value, 0.0)  # rounding, where X W fits Y to within it
 
     @property
     def rows(self) -> int:
@@ -171,16 +182,27 @@ class DownProjection(DownFit):
         self.eq = NormalEquations(w.shape[1] + self.bias, w.shape[0], w.device,
                                   fast=ridge > 0)
 
-    def add(self, act: torch.Tensor, y: torch.Tensor, y_hat: torch.Tensor) -> None:
+    def add(self, act: torch.Tensor, y: torch.Tensor) -> None:
         x = torch.cat([act, act.new_ones(act.shape[0], 1)], dim=1) if self.bias else act
         self.eq.add(x, y)
 
     def solve(self):
-        w = self.linear.weight.detach().to(self.eq.xtx.device, torch.float64)  # (E, F)
-        w0 = w.T
-        if self.bias:
-            w0 = torch.cat([w0, self.linear.bias.detach().to(w0)[None]], dim=0)
-        fitted = solve_ridge(self.eq.xtx, self.eq.xty, w0, self.ridge)
+        fitted = solve_ridge(self.eq.xtx, self.eq.xty, stacked(self.linear, self.bias),
+                             self.ridge)
         if self.bias:
             return fitted[:-1].T, fitted[-1]
         return fitted.T, None
+
+    def error_before(self) -> float:
+        return self.eq.sse(stacked(self.linear, self.bias))
+
+
+def stacked(linear: nn.Linear, bias: bool) -> torch.Tensor:
+    """The projection's weights as the unknowns of X W = Y: W^T (F, E), with ``bias``
+    its bias (zeros if none) as one more row (F + 1, E); float64."""
+    w = linear.weight.detach().double().T
+    if not bias:
+        return w
+    b = (torch.zeros_like(w[0]) if linear.bias is None
+         else linear.bias.detach().to(w))
+    return torch.cat([w, b[None]], dim=0)

@@ -41,7 +41,7 @@ from torch import nn
 
 from headlab.attention import MultiHeadAttention
 from headlab.recovery.layerwise import DownFit, LayerFit
-from headlab.recovery.lsq import NormalEquations
+from headlab.recovery.lsq import NormalEquations, stacked
 
 SCALE_BOUND = 10.0  # Kwon et al.'s code: a scale beyond it stops the rescaling
 
@@ -133,7 +133,7 @@ class DownRescale(DownFit):
         w = linear.weight
         self.eq = NormalEquations(w.shape[1] + 1, w.shape[0], w.device)
 
-    def add(self, act: torch.Tensor, y: torch.Tensor, y_hat: torch.Tensor) -> None:
+    def add(self, act: torch.Tensor, y: torch.Tensor) -> None:
         if not self.stop.stopped:
             self.eq.add(torch.cat([act, act.new_ones(act.shape[0], 1)], dim=1), y)
 
@@ -151,3 +151,6 @@ class DownRescale(DownFit):
         if scales is None:
             return None
         return w * scales[None].to(w), None
+
+    def error_before(self) -> float:
+        return self.eq.sse(stacked(self.linear, bias=True))
