@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from headlab._util.checks import check_int, check_seed
+from headlab._util.kl import weighted_kl
 from headlab.data.blocks import Blocks, check_blocks, layout_blocks
 from headlab.data.texts import TextData
 from headlab.errors import DataError, UserError
@@ -161,10 +162,7 @@ class _CrossEntropy(Objective):
         positions (`_scored`: the output alone cannot say which positions count)."""
         s, valid = self._scored(student, s_out, batch)  # (B, T, V), (B, T)
         t, _ = self._scored(reference, t_out, batch)
-        log_s = F.log_softmax(s / temperature, dim=-1)
-        log_t = F.log_softmax(t.to(s.device) / temperature, dim=-1)
-        kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)  # (B, T)
-        return (kl * valid).sum() / valid.sum().clamp(min=1) * temperature**2
+        return weighted_kl(s, t.to(s.device), valid, temperature) * temperature**2
 
 
 class _TokenLM(_CrossEntropy):

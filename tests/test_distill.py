@@ -7,9 +7,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from headlab._util import progress as _progress
 from headlab._util.checkpoint import Checkpoint
+from headlab._util.kl import weighted_kl
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.models.bert import Bert, BertConfig
@@ -69,6 +71,36 @@ def _assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize("scored", ["all", "runs", "scattered", "none"])
+def test_chunked_kl_equals_torch_kl_div_in_float64(scored, temperature, monkeypatch):
+    """The distillation loss's KL (`weighted_kl`, a few rows at a time) against torch's
+    kl_div in float64: its value and its gradient in the student's logits, for logits
+    sliced as a causal LM's are (a view, rows not contiguous), over every row, runs of
+    rows (padding), scattered rows (masked LM) and none; chunks of 3 rows here."""
+    monkeypatch.setattr("headlab._util.kl._CHUNK_VALUES", 3 * 50)
+    gen = torch.Generator().manual_seed(0)
+    student = (4 * torch.randn(3, 9, 50, generator=gen))[:, :-1]  # (B, T, V) a view
+    teacher = 4 * torch.randn(3, 8, 50, generator=gen)
+    weights = {"all": torch.ones(3, 8),
+               "runs": (torch.arange(8) < torch.tensor([[8], [5], [2]])).float(),
+               "scattered": (torch.rand(3, 8, generator=gen) < 0.3).float(),
+               "none": torch.zeros(3, 8)}[scored]
+    s64 = student.double().requires_grad_(True)
+    log_s = F.log_softmax(s64 / temperature, -1)
+    log_t = F.log_softmax(teacher.double() / temperature, -1)
+    kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)  # (B, T)
+    expected = (kl * weights.double()).sum() / weights.double().sum().clamp(min=1)
+    (3 * expected).backward()
+    s32 = student.clone().requires_grad_(True)
+    ours = weighted_kl(s32, teacher, weights, temperature)
+    (3 * ours).backward()
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours.double(), expected.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(s32.grad.double(), s64.grad, rtol=1e-4, atol=1e-7)
+    assert (s32.grad[weights == 0] == 0).all()
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
