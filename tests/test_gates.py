@@ -57,6 +57,32 @@ def test_the_expected_open_gates_reach_the_target(tiny_gpt2, blocks, target):
     assert expected == pytest.approx(s.extra["expected_open"], rel=1e-9)
 
 
+def test_the_model_s_own_outputs_kept_or_not_train_the_same_gates(tiny_gpt2, blocks,
+                                                                 monkeypatch):
+    """The targets, the model's outputs with every gate at 1, are computed once per
+    batch where they fit in `TEACHER_SHARE` of the memory, else at every step; the
+    gates learnt are the same bit for bit."""
+    from headlab.objectives import objective_for
+
+    objective = type(objective_for(tiny_gpt2))
+    forward, calls = objective.forward, []
+
+    def counted(self, model, batch):
+        calls.append(model.attentions[0].gate_override is None)
+        return forward(self, model, batch)
+
+    monkeypatch.setattr(objective, "forward", counted)
+    learnt = []
+    for share in (0.25, 0.0):
+        monkeypatch.setattr("headlab.importance.gates.TEACHER_SHARE", share)
+        calls.clear()
+        learnt.append(score(tiny_gpt2, blocks, method="gates", target=6, batch_size=4,
+                            gate_steps=10).tensor())
+        n_batches = -(-len(blocks) // 4)
+        assert sum(calls) == (n_batches if share else 10)  # the gates-at-1 forwards
+    assert torch.equal(learnt[0], learnt[1])
+
+
 def test_the_head_that_carries_the_output_is_kept(tiny_gpt2, blocks):
     """Every head's W_O columns scaled to almost nothing but layer 1's head 2, scaled
     up: the model's output is that head's; every target keeps it."""

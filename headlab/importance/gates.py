@@ -40,6 +40,7 @@ INIT_LOG_ALPHA = 3.0  # every gate starts open: P(open) = 0.99
 LOG_ALPHA_BOUNDS = (-10.0, 10.0)
 DEFAULT_STEPS = 100
 DEFAULT_LR = 0.1
+TEACHER_SHARE = 0.25  # of the device's memory, at most, for the model's outputs kept
 
 
 def p_open(log_alpha: torch.Tensor) -> torch.Tensor:
@@ -128,6 +129,34 @@ def _units(model: HeadModel, by_group: bool) -> tuple[list[torch.Tensor], int]:
     return index, n
 
 
+class _Teacher:
+    """The model's own output on each batch, every active gate at 1: the target of each
+    step. A batch recurs every len(batches) steps, and its output with it: the outputs
+    are kept after the first pass where all of them take at most `TEACHER_SHARE` of the
+    device's memory (`headlab.parallel.distributed.available`), else computed at each step.
+    Either way every step sees the same values."""
+
+    def __init__(self, model: HeadModel, objective, batches: list) -> None:
+        self.model, self.objective, self.batches = model, objective, batches
+        self.kept: dict[int, object] | None = {}  # batch index -> output; None: not kept
+
+    def __call__(self, i: int):
+        if self.kept is not None and i in self.kept:
+            return self.kept[i]
+        for a in self.model.attentions:
+            a.gate_override = None
+        with torch.no_grad():
+            out = self.objective.forward(self.model, self.batches[i])
+        if self.kept is not None:
+            tensors = [v for v in vars(out).values() if isinstance(v, torch.Tensor)]
+            size = sum(t.numel() * t.element_size() for t in tensors) * len(self.batches)
+            if size <= TEACHER_SHARE * distributed.available(str(self.model.device)):
+                self.kept[i] = out
+            else:
+                self.kept = None
+        return out
+
+
 def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: int,
                 by_group: bool = False, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
                 seed: int = 0, checkpoint: Checkpoint | None = None, key: str = "gates"
@@ -172,6 +201,7 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
                              "lambda_opt": lambda_opt.state_dict()})
 
     warmup = max(1, steps // 2)
+    teacher = _Teacher(model, objective, batches)
 
     def train_step(step: int) -> None:
         nonlocal n_tokens
@@ -179,10 +209,7 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
             return
         batch = batches[step % len(batches)]
         B = batch["input_ids"].shape[0]
-        for a in model.attentions:
-            a.gate_override = None
-        with torch.no_grad():  # the model as it came, every active gate at 1
-            t_out = objective.forward(model, batch)
+        t_out = teacher(step % len(batches))
         gen = distributed.step_generator(seed, step)
         u = torch.rand(B, n_units, generator=gen).clamp(EPS, 1 - EPS)
         z = torch.cat([sample(log_alpha, u), torch.zeros(B, 1)], 1)  # (B, U + 1)

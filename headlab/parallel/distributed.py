@@ -125,3 +125,13 @@ def broadcast(obj: Any) -> Any:
 def barrier() -> None:
     if active():
         dist.barrier()
+
+
+def available(device: str) -> int:
+    """Bytes one rank may use: its GPU's memory, or this machine's RAM shared by the
+    ranks torchrun started on it."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev.index or 0).total_memory
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -23,7 +23,6 @@ a distillation's gradients and optimizer state.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ from torch import nn
 
 from headlab.errors import UserError
 from headlab.models.base import HeadModel
+from headlab.parallel.distributed import available
 
 GIB = 2**30
 HEADROOM = 0.9  # the share of a device the estimate may fill
@@ -95,16 +95,6 @@ def estimate(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,
     gathered = (root + 2 * max(per_unit)) * size if ranks > 1 else 0
     return Estimate(ranks, batch_size, seq_len, models * -(-total // ranks) * size,
                     int(gathered), int(activations))
-
-
-def available(device: str) -> int:
-    """Bytes one rank may use: its GPU's memory, or this machine's RAM shared by the
-    ranks torchrun started on it."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev.index or 0).total_memory
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def check_memory(model: HeadModel, *, ranks: int, batch_size: int, seq_len: int,

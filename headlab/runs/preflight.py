@@ -36,7 +36,8 @@ from headlab.models.loading import (
     gguf_cache_dir,
     read_tokenizer,
 )
-from headlab.parallel.memory import GIB, HEADROOM, available
+from headlab.parallel.distributed import available
+from headlab.parallel.memory import GIB, HEADROOM
 from headlab.runs import lock as runlock
 from headlab.runs.config import RunConfig, resolve_device
 from headlab.selection import heads_to_keep
