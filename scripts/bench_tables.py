@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from generated_block import update  # noqa: E402
 
 from headlab._util.units import human_bytes  # noqa: E402
+from headlab.bench._common import against  # noqa: E402
 
 MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
 TRADEOFF_MARKERS = ("<!-- tradeoff:start -->", "<!-- tradeoff:end -->")
@@ -70,7 +71,7 @@ def table(d: dict) -> str:
     if d.get("error"):
         rows.append(f"| NOT MEASURED: {_cell(d['error'])} | | | | **error** |")
     for t in d.get("targets", []):
-        rows.append(f"| {_cell(t['what'])} | {_num(t['ratio'])} | "
+        rows.append(f"| {_cell(t['what'])} | {against(t['ratio'], t['target'])} | "
                     f"{_num(t['q1'])}–{_num(t['q3'])} | {t['op']} {t['target']:g} | "
                     f"{'yes' if t['meets'] else '**no**'} |")
     for i in d.get("info", []):

@@ -560,3 +560,13 @@ def test_peak_bytes_sees_a_temporary_allocation():
         return float(big.sum())
 
     assert peak_bytes(make, "cpu") >= 4 * 2**20
+
+
+@pytest.mark.parametrize("value, target, shown", [
+    (1.0047, 1.0, "1.005"), (0.3015, 0.25, "0.301"), (1.0, 1.0, "1"), (2.0004, 2.0, "2.0004"),
+    (0.9996, 1.0, "0.9996")])
+def test_a_figure_beside_its_target_never_reads_as_the_target_when_it_is_not(value, target,
+                                                                             shown):
+    from headlab.bench._common import against
+
+    assert against(value, target) == shown

@@ -169,6 +169,16 @@ def _jsonable(x: Any) -> Any:
     return str(x)  # a ModelSpec says its name
 
 
+def against(value: float, target: float) -> str:
+    """``value`` to 3 significant digits, or more (up to 6) where 3 would print the
+    target itself for a value that is not it: 1.0047 against a target of 1 reads 1.005."""
+    for digits in range(3, 7):
+        text = f"{value:.{digits}g}"
+        if value == target or not math.isfinite(value) or float(text) != target:
+            break
+    return text
+
+
 def markdown_table(results: Sequence[BenchResult]) -> str:
     """One row per target (and per headline ratio without one); failed benchmarks say why."""
     rows = ["| benchmark | measure | median | q1–q3 | target | meets |",
@@ -177,7 +187,7 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
         if r.error is not None:
             rows.append(f"| {r.name} | NOT MEASURED: {_cell(r.error)} | | | | **error** |")
         for t in r.targets:
-            rows.append(f"| {r.name} | {_cell(t.what)} | {t.ratio:.3g} | "
+            rows.append(f"| {r.name} | {_cell(t.what)} | {against(t.ratio, t.target)} | "
                         f"{t.q1:.3g}–{t.q3:.3g} | {t.op} {t.target:g} | "
                         f"{'yes' if t.meets else '**no**'} |")
         for name, what in r.info:
