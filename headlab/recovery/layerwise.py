@@ -33,8 +33,9 @@ follows neither.
 
 Each block runs once per stream, and the pruned block's attention and MLP (less its down
 projection) once more each: about two forwards without the output head, where a full
-pass per layer would cost L of them. The streams and one layer's targets take N x E values each (N
-scoring tokens); with ``down`` one layer's MLP activations N x F are kept too.
+pass per layer would cost L of them. The streams and one layer's targets take N x E
+values each (N scoring tokens); with ``down`` one layer's MLP activations N x F are kept
+too.
 
 Fits see real tokens only (attention_mask), flattened: z (N, H, D), y (N, E).
 A layer that already reproduces the reference exactly (error 0; for the MLP, its block

@@ -18,10 +18,9 @@ one scale per kept head, is ``rescale`` (`headlab.recovery.rescale`).
 X^T X, X^T Y and ||Y||^2 are summed in float64 over batches (memory O((H*D)^2 + H*D*E)
 per layer; at most 2048 rows of activations are held), the products taken in float32
 when a ridge bounds the solve's conditioning (`NormalEquations`); the error of any W
-follows from them. The ridge pulls toward
-the current weights, with lambda = ridge * mean(diag(X^T X)), so the fitted error is
-never above the error of the weights as they were. Solved by Cholesky, by least
-squares if that fails.
+follows from them. The ridge pulls toward the current weights, with lambda = ridge *
+mean(diag(X^T X)), so the fitted error is never above the error of the weights as they
+were. Solved by Cholesky, by least squares if that fails.
 """
 
 from __future__ import annotations
@@ -154,17 +153,8 @@ class LeastSquares(LayerFit):
         x = z.reshape(z.shape[0], -1)  # (N, H*D)
         self.eq.add(torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1), y)
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The current W_O (E, H*D) and bias (E,) (zeros if none), in float64."""
-        lin = self.attn.o_proj
-        w = lin.weight.detach().to(self.eq.xtx.device, torch.float64)
-        b = (torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if lin.bias is None
-             else lin.bias.detach().to(w.device, torch.float64))
-        return w, b
-
     def solve(self):
-        w, b = self._weights()
-        w0 = torch.cat([w.T, b[None]], dim=0)  # (H*D + 1, E)
+        w0 = stacked(self.attn.o_proj, bias=True)  # (H*D + 1, E)
         fitted = solve_ridge(self.eq.xtx, self.eq.xty, w0, self.ridge)
         return fitted[:-1].T, fitted[-1]  # W_O (E, H*D), bias (E,)
 
@@ -200,9 +190,9 @@ class DownProjection(DownFit):
 def stacked(linear: nn.Linear, bias: bool) -> torch.Tensor:
     """The projection's weights as the unknowns of X W = Y: W^T (F, E), with ``bias``
     its bias (zeros if none) as one more row (F + 1, E); float64."""
-    w = linear.weight.detach().double().T
+    w = linear.weight.detach().double().T  # (F, E); F is 0 for a W_O with no head left
     if not bias:
         return w
-    b = (torch.zeros_like(w[0]) if linear.bias is None
+    b = (w.new_zeros(w.shape[1]) if linear.bias is None
          else linear.bias.detach().to(w))
     return torch.cat([w, b[None]], dim=0)
