@@ -148,13 +148,9 @@ class _CrossEntropy(Objective):
         draws itself (the Fisher identity), over an example's T scored tokens (the loss
         is their mean; independent draws leave no cross terms in expectation)."""
         logits, valid = self._scored(model, out, batch)
-        probs = logits.detach().softmax(-1)  # (B, T, V)
-        drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]).cpu(), n, replacement=True,
-                                  generator=generator).to(model.device)  # (B*T, n)
-        scale = (valid / valid.sum(1, keepdim=True).clamp(min=1).sqrt())[..., None]  # (B, T, 1)
-        for j in range(n):  # (p - onehot(y)) * scale, built in one (B, T, V) tensor
+        probs, drawn, scale = _fisher_draws(logits, valid, n, generator)
+        for index in drawn:  # (p - onehot(y)) * scale, built in one (B, T, V) tensor
             cotangent = probs * scale
-            index = drawn[:, j].view(*probs.shape[:2], 1)
             yield logits, cotangent.scatter_add_(-1, index, -scale.expand_as(index))
 
     def distill_loss(self, student, s_out, reference, t_out, batch, temperature):
@@ -163,6 +159,20 @@ class _CrossEntropy(Objective):
         s, valid = self._scored(student, s_out, batch)  # (B, T, V), (B, T)
         t, _ = self._scored(reference, t_out, batch)
         return weighted_kl(s, t.to(s.device), valid, temperature) * temperature**2
+
+
+def _fisher_draws(logits: torch.Tensor, valid: torch.Tensor, n: int, generator: torch.Generator
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """For `_CrossEntropy.curvature_probes`: p = softmax(logits) (B, T, V), ``n`` labels
+    drawn from it (each (B, T, 1)), and each example's scale 1 / sqrt(T) on its scored
+    positions, 0 elsewhere (B, T, 1)."""
+    probs = logits.detach().softmax(-1)
+    # torch draws a single sample per row by another path, an exponential variate per
+    # class (5.7 s for 1016 rows of 262k classes, where four draws take 0.25 s): draw two
+    drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]).cpu(), max(n, 2),
+                              replacement=True, generator=generator).to(logits.device)
+    scale = (valid / valid.sum(1, keepdim=True).clamp(min=1).sqrt())[..., None]
+    return probs, [drawn[:, j].view(*probs.shape[:2], 1) for j in range(n)], scale
 
 
 class _TokenLM(_CrossEntropy):
@@ -206,6 +216,26 @@ class CausalLM(_TokenLM):
 
     def _targets(self, model, batch):
         return batch["input_ids"].to(model.device)[:, 1:]
+
+    def curvature_probes(self, model, out, batch, n, generator):
+        """`_CrossEntropy`'s probes taken back through the output head: the output is
+        the final hidden states h_t (B, T, E) of the scored positions, the cotangent
+        J_t^T (p_t - onehot(y_t)) scale_t with J_t = d logits_t / d h_t. J^T p scale is
+        one pass back through the head, shared by the draws; J^T onehot(y) is the
+        gradient of the drawn token's logit alone (`DecoderLM.logits_at`). The gradients
+        are the same; each draw skips a (B, T, V) cotangent and its product with the
+        (V, E) unembedding, most of its cost at a large vocabulary."""
+        logits, valid = self._scored(model, out, batch)  # (B, S-1, V): positions 0 .. S-2
+        probs, drawn, scale = _fisher_draws(logits, valid, n, generator)
+        hidden = out.last_hidden_state  # (B, S, E), lm_head's input
+        T = logits.shape[1]
+        shared = torch.autograd.grad(logits, hidden, probs * scale,
+                                     retain_graph=True)[0][:, :T]  # (B, T, E)
+        rows = hidden[:, :T].detach().requires_grad_(True)
+        for index in drawn:
+            picked = model.logits_at(rows, index)  # (B, T, 1)
+            (own,) = torch.autograd.grad(picked, rows, scale.to(picked.dtype))
+            yield hidden[:, :T], shared - own
 
 
 class MaskedLM(_TokenLM):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 import transformers as tf
 from _encoders import bpe_tokenizer as encoder_bpe_tokenizer
 from _families import (
@@ -45,6 +46,7 @@ from headlab.evaluate.cache import step_bytes
 from headlab.importance import METHODS, TARGETED, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.models.export import export_hf, hf_expressible
+from headlab.objectives import objective_for
 from headlab.pruning import copy_model, demote, prune
 from headlab.recovery import recover
 from headlab.selection import PrunePlan, kv_groups, select_groups
@@ -204,14 +206,57 @@ def test_hooks(family, loaded):
 
 @each_family
 def test_scores(family, loaded, scoring_blocks):
-    """Every importance method gives finite scores, layers x heads."""
+    """Every importance method gives finite scores, layers x heads; taylor's curvature
+    probes are draws of the Fisher identity (`_check_curvature_probes`)."""
     model = loaded(family)
+    if model.kind == "causal-lm":
+        ids, mask = _batch(model)
+        _check_curvature_probes(model, {"input_ids": ids, "attention_mask": mask})
+    else:
+        _check_curvature_probes(model, next(iter(scoring_blocks(family).batches(4))))
     for method in METHODS:
         target = {"target": model.n_layers} if method in TARGETED else {}  # gates
         t = score(model, scoring_blocks(family), method=method, batch_size=4, probes=1,
                   gate_steps=4, **target).tensor()
         assert t.shape == (model.n_layers, model.n_original_heads), method
         assert bool(torch.isfinite(t).all()), method
+
+
+def _check_curvature_probes(model, batch) -> None:
+    """taylor's curvature probes give, draw by draw, the gate gradients of the cotangent
+    (p - onehot(y)) / sqrt(T) on an example's T scored logits, y drawn from p itself
+    (the Fisher identity): decoders take it back from the final hidden states, through
+    soft-capping where configured (gemma2), on a batch with padding on both sides."""
+    gates = []
+    for a in model.attentions:
+        gates.append(torch.ones(len(batch["input_ids"]), a.n_heads, requires_grad=True))
+        a.gate_override = gates[-1]
+    try:
+        objective = objective_for(model)
+        out = objective.forward(model, batch)
+        if model.kind == "causal-lm":
+            mask = batch["attention_mask"]
+            logits, valid = out.logits[:, :-1], (mask[:, 1:] * mask[:, :-1]).float()
+        else:
+            logits, valid = out.logits, (batch["labels"] != -100).float()
+        p = logits.detach().softmax(-1)  # (B, T, V)
+        n = 3
+        drawn = torch.multinomial(p.reshape(-1, p.shape[-1]), n, replacement=True,
+                                  generator=torch.Generator().manual_seed(7))  # (B*T, n)
+        scale = valid / valid.sum(1, keepdim=True).clamp(min=1).sqrt()  # (B, T)
+        probes = objective.curvature_probes(model, out, batch, n,
+                                            torch.Generator().manual_seed(7))
+        for j, (output, cotangent) in enumerate(probes):
+            onehot = F.one_hot(drawn[:, j].view(p.shape[:2]), p.shape[-1])
+            expected = torch.autograd.grad(logits, gates, (p - onehot) * scale[..., None],
+                                           retain_graph=True)
+            got = torch.autograd.grad(output, gates, cotangent, retain_graph=True)
+            for e, g in zip(expected, got, strict=True):
+                assert_close(g, e, rtol=1e-4, atol=1e-7)
+        assert j == n - 1
+    finally:
+        for a in model.attentions:
+            a.gate_override = None
 
 
 @each_family

@@ -312,7 +312,21 @@ class DecoderLM(HeadModel):
             S = input_ids.shape[1]
             position_ids = torch.arange(past, past + S, device=input_ids.device)[None]
         h = self.decode(input_ids, attention_mask, position_ids, past, cache)  # (B, S, E)
-        return ModelOutput(last_hidden_state=h, logits=self.lm_head(h))
+        return ModelOutput(last_hidden_state=h, logits=self.cap_logits(self.lm_head(h)))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the family does to ``lm_head``'s output (soft-capping, in Gemma-2); here
+        nothing."""
+        return logits
+
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``forward``'s logits of the tokens ``ids`` (..., K) at the final hidden states
+        ``hidden`` (..., E): K rows of the unembedding, not the whole vocabulary."""
+        rows = self.lm_head.weight[ids]  # (..., K, E)
+        logits = (rows @ hidden[..., None].to(rows.dtype))[..., 0]  # (..., K)
+        if self.lm_head.bias is not None:
+            logits = logits + self.lm_head.bias[ids]
+        return self.cap_logits(logits)
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """Greedy or sampled continuation with the KV cache; see `headlab.models.generation`;

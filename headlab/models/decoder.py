@@ -33,7 +33,7 @@ from headlab.attention.hookpoint import HookPoint, run_hook
 from headlab.attention.masks import Mask
 from headlab.attention.rotary import RotaryEmbedding, check_rope
 from headlab.errors import UserError
-from headlab.models.base import BlockInputs, DecoderLM, FamilyConfig, ModelOutput
+from headlab.models.base import BlockInputs, DecoderLM, FamilyConfig
 from headlab.models.layers import ACTIVATIONS, MLP, NORMS, make_norm
 from headlab.models.weights import WeightMap, convert_state_dict, load_into
 
@@ -301,13 +301,10 @@ class Decoder(DecoderLM):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    def forward(self, input_ids, attention_mask=None, *, cache=None, position_ids=None
-                ) -> ModelOutput:
-        out = super().forward(input_ids, attention_mask, cache=cache, position_ids=position_ids)
+    def cap_logits(self, logits):
+        """``cap * tanh(logits / cap)`` where the config sets ``final_softcap``."""
         cap = self.config.final_softcap
-        if cap is not None:
-            out.logits = torch.tanh(out.logits / cap) * cap
-        return out
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def decode(self, input_ids, attention_mask, position_ids, past, cache):
         x, masks, rotary = self._embed(input_ids, attention_mask, position_ids, past)
