@@ -592,6 +592,21 @@ def test_rows_and_columns_only_where_they_apply_to_the_kind(browser, tmp_path, f
     browser.save_screenshot(str(ARTIFACTS / "report-embedding.png"))
 
 
+def test_the_recovery_caption_shows_options_as_a_reader_would_write_them(full_results):
+    """distill's summary options (losses, learning rates) to 4 significant digits, a
+    missing one as not measured; words, counts and flags as they are."""
+    from headlab.report._context import recovery_view
+
+    options = {"start": "lsq", "ridge": 0.3, "lr": 0.0001, "loss_first": 1.2345678901,
+               "loss_last": float("nan"), "steps": 32, "lora": False}
+    result = RunResult.from_json({**full_results, "recovery": {
+        "method": "distill", "options": options, "tokens": 4096, "seconds": 2.0,
+        "layers": [], "notes": []}})
+    assert recovery_view(result)["options"] == (
+        "start lsq, ridge 0.3, lr 0.0001, loss_first 1.235, loss_last not measured, "
+        "steps 32, lora False")
+
+
 @pytest.mark.browser
 def test_the_recovery_table_shows_the_mlp_fit_errors(browser, tmp_path, full_results):
     layers = [{"layer": 0, "error_before": 0.5, "error_after": 0.1,

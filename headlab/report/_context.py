@@ -164,7 +164,8 @@ def recovery_view(result: RunResult) -> dict | None:
     if rec is None:
         return None
     q = result.quality
-    options = ", ".join(f"{k} {v}" for k, v in rec.options.items()) or "none"
+    options = ", ".join(f"{k} {_sig_or_missing(v) if isinstance(v, float) else v}"
+                        for k, v in rec.options.items()) or "none"
     pruned_change, pruned_tone = _change(_num(q.before), _num(q.pruned), q.higher_is_better)
     after_change, after_tone = _change(_num(q.before), _num(q.after), q.higher_is_better)
     return {
