@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,21 @@ def test_each_benchmark_has_its_targets(tiny_run):
     assert figures["recovery"] == {"minilm-l6.kept_over_none", "minilm-l6.recover_over_michel",
                                    "minilm-l6.keep_1_max_abs_diff",
                                    "minilm-l6.rescale_kept_over_none"}
+
+
+def test_method_choice_script_writes_the_quality_bench_at_one_keep(tmp_path):
+    """scripts/method_choice.py, the run behind the docs' choice of the default method,
+    writes one bench JSON per model with every method judged at keep 0.6."""
+    choice = script("method_choice")
+    (path,) = choice.run(tmp_path, ["minilm-l6"], seq_len=32, tokens=256,
+                         sizes=replace(choice.SIZES, gate_steps=3))
+    assert path == tmp_path / "quality-minilm-l6.json"
+    d = json.loads(path.read_text())
+    assert d["preset"] == "method-choice" and d["error"] is None
+    assert d["config"]["keeps"] == [0.6] and d["config"]["runs"] == [["minilm-l6", 32, 256]]
+    for method in ("michel", "taylor", "gates", "flap"):
+        assert math.isfinite(d["figures"][f"minilm-l6.{method}_over_random"]["median"])
+    assert d["machine"]["torch_threads"] >= 1 and "load_average_after" in d["machine"]
 
 
 def test_recovery_tradeoff_table(tiny_run):
