@@ -149,9 +149,9 @@ class _CrossEntropy(Objective):
         is their mean; independent draws leave no cross terms in expectation)."""
         logits, valid = self._scored(model, out, batch)
         probs, drawn, scale = _fisher_draws(logits, valid, n, generator)
-        for index in drawn:  # (p - onehot(y)) * scale, built in one (B, T, V) tensor
+        for j in range(n):  # (p - onehot(y)) * scale, built in one (B, T, V) tensor
             cotangent = probs * scale
-            yield logits, cotangent.scatter_add_(-1, index, -scale.expand_as(index))
+            yield logits, cotangent.scatter_add_(-1, drawn[..., j:j + 1], -scale)
 
     def distill_loss(self, student, s_out, reference, t_out, batch, temperature):
         """T^2 KL(teacher || student) at temperature T, averaged over the scored
@@ -162,9 +162,9 @@ class _CrossEntropy(Objective):
 
 
 def _fisher_draws(logits: torch.Tensor, valid: torch.Tensor, n: int, generator: torch.Generator
-                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For `_CrossEntropy.curvature_probes`: p = softmax(logits) (B, T, V), ``n`` labels
-    drawn from it (each (B, T, 1)), and each example's scale 1 / sqrt(T) on its scored
+    drawn from it (B, T, n), and each example's scale 1 / sqrt(T) on its scored
     positions, 0 elsewhere (B, T, 1)."""
     probs = logits.detach().softmax(-1)
     # torch draws a single sample per row by another path, an exponential variate per
@@ -172,7 +172,7 @@ def _fisher_draws(logits: torch.Tensor, valid: torch.Tensor, n: int, generator: 
     drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]).cpu(), max(n, 2),
                               replacement=True, generator=generator).to(logits.device)
     scale = (valid / valid.sum(1, keepdim=True).clamp(min=1).sqrt())[..., None]
-    return probs, [drawn[:, j].view(*probs.shape[:2], 1) for j in range(n)], scale
+    return probs, drawn[:, :n].reshape(*probs.shape[:2], n), scale
 
 
 class _TokenLM(_CrossEntropy):
@@ -232,9 +232,10 @@ class CausalLM(_TokenLM):
         shared = torch.autograd.grad(logits, hidden, probs * scale,
                                      retain_graph=True)[0][:, :T]  # (B, T, E)
         rows = hidden[:, :T].detach().requires_grad_(True)
-        for index in drawn:
-            picked = model.logits_at(rows, index)  # (B, T, 1)
-            (own,) = torch.autograd.grad(picked, rows, scale.to(picked.dtype))
+        picked = model.logits_at(rows, drawn)  # (B, T, n)
+        for j in range(n):
+            (own,) = torch.autograd.grad(picked[..., j:j + 1], rows, scale.to(picked.dtype),
+                                         retain_graph=j < n - 1)
             yield hidden[:, :T], shared - own
 
 

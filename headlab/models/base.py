@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from headlab.attention import MultiHeadAttention
 from headlab.attention.kv_cache import Cache
@@ -322,11 +323,13 @@ class DecoderLM(HeadModel):
     def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``forward``'s logits of the tokens ``ids`` (..., K) at the final hidden states
         ``hidden`` (..., E): K rows of the unembedding, not the whole vocabulary."""
-        rows = self.lm_head.weight[ids]  # (..., K, E)
+        weight, bias = (_whole(p) for p in (self.lm_head.weight, self.lm_head.bias))
+        rows = weight[ids]  # (..., K, E)
         logits = (rows @ hidden[..., None].to(rows.dtype))[..., 0]  # (..., K)
-        if self.lm_head.bias is not None:
-            logits = logits + self.lm_head.bias[ids]
+        if bias is not None:
+            logits = logits + bias[ids]
         return self.cap_logits(logits)
+
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """Greedy or sampled continuation with the KV cache; see `headlab.models.generation`;
@@ -339,3 +342,9 @@ class DecoderLM(HeadModel):
                position_ids: torch.Tensor, past: int, cache: Cache | None) -> torch.Tensor:
         """The final hidden states (B, S, E) of ``input_ids`` after ``past`` cached ones."""
         raise NotImplementedError
+
+
+def _whole(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter whole: outside a forward, FSDP2 leaves each rank its shard (a DTensor),
+    gathered here from every rank, which must all call this alike."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
