@@ -330,7 +330,6 @@ class DecoderLM(HeadModel):
             logits = logits + bias[ids]
         return self.cap_logits(logits)
 
-
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """Greedy or sampled continuation with the KV cache; see `headlab.models.generation`;
         only causal language models generate."""
