@@ -12,14 +12,13 @@ OMP_WAIT_POLICY=PASSIVE.
 from __future__ import annotations
 
 import argparse
-import time
+import json
+import sys
 from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 
-from headlab._util.io import atomic_write_json
-from headlab._util.timing import machine_info, pinned_threads
-from headlab.bench._common import versions
+from headlab._util.timing import pinned_threads
+from headlab.bench import ModelCache, bench_context, run_one
 from headlab.bench.quality import QualitySizes, bench_quality
 
 PRESET = "method-choice"
@@ -29,24 +28,21 @@ SIZES = QualitySizes(keeps=(0.6,), methods=("michel", "taylor", "gates", "flap")
 
 def run(out: Path, models: list[str], *, seq_len: int = 128, tokens: int = 4096,
         sizes: QualitySizes = SIZES, device: str = "cpu") -> list[Path]:
-    """One ``quality-<model>.json`` per model under ``out``, as ``headlab bench`` writes
-    its JSONs (the preset named ``method-choice``): ``sizes`` on ``tokens`` scoring
-    tokens of the model in blocks of ``seq_len``."""
+    """One ``quality-<model>.json`` per model under ``out``, written as ``headlab bench``
+    writes its JSONs (`headlab.bench.run_one`, the preset named ``method-choice``):
+    ``sizes`` on ``tokens`` scoring tokens of the model in blocks of ``seq_len``."""
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name in models:
-        one = replace(sizes, runs=((name, seq_len, tokens),))
-        context = {"preset": PRESET, "device": device, "versions": versions(),
-                   "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    paths = [out / f"quality-{name}.json" for name in models]
+    cache = ModelCache(device)
+    try:
         with pinned_threads():
-            machine = machine_info(device)
-            start = time.perf_counter()
-            result = bench_quality(one, device=device)
-            result.elapsed_s = time.perf_counter() - start
-            machine["load_average_after"] = machine_info(device)["load_average"]
-        written.append(atomic_write_json(out / f"quality-{name}.json",
-                                         result.to_json({**context, "machine": machine})))
-    return written
+            for name, path in zip(models, paths, strict=True):
+                run_one("quality", bench_quality, replace(sizes, runs=((name, seq_len, tokens),)),
+                        device=device, cache=cache, context=bench_context(PRESET, device),
+                        path=path)
+    finally:
+        cache.close()
+    return paths
 
 
 def main() -> None:
@@ -54,8 +50,12 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="folder for the JSONs")
     parser.add_argument("models", nargs="+", help="bundled model names")
     args = parser.parse_args()
+    failed = False
     for path in run(args.out, args.models):
-        print(path)
+        error = json.loads(path.read_text())["error"]
+        print(path if error is None else f"{path}: failed: {error}")
+        failed = failed or error is not None
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -76,8 +76,10 @@ __all__ = [
     "ModelSpec",
     "Target",
     "count_flops",
+    "bench_context",
     "markdown_table",
     "run_benchmarks",
+    "run_one",
 ]
 
 BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
@@ -171,6 +173,35 @@ def _others_said(others: float | None) -> str:
     return f" (other processes used {others:.1f} of the {cores()} cores on average)"
 
 
+def bench_context(preset: str, device: str) -> dict[str, Any]:
+    """What every benchmark JSON says of its run besides the machine: the preset, the
+    device, the versions and the date."""
+    return {"preset": preset, "device": device, "versions": versions(),
+            "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def run_one(name: str, bench: Callable[..., BenchResult], sizes: Any, *, device: str,
+            cache: ModelCache, context: dict[str, Any], path: Path) -> BenchResult:
+    """Run ``bench`` on ``sizes`` and write its JSON to ``path``: timed, with the machine
+    before and after it and the CPU other processes took meanwhile. A failure is
+    recorded in the result (its ``error``), not raised."""
+    gc.collect()
+    t0 = time.perf_counter()
+    machine = machine_info(device)
+    bench_start = cpu_sample()
+    try:
+        result = bench(sizes, device=device, models=cache)
+    except Exception as exc:  # recorded, reported, and raised at the end of a run
+        log.exception("benchmark %s failed", name)
+        result = BenchResult(name, error=f"{type(exc).__name__}: {exc}")
+    result.elapsed_s = time.perf_counter() - t0
+    machine["load_average_after"] = machine_info(device)["load_average"]
+    machine["others_load"] = others_since(bench_start)  # None: /proc cannot say
+    atomic_write_json(path, result.to_json({**context, "machine": machine}))
+    log.info("%s done in %.1f s -> %s", name, result.elapsed_s, path)
+    return result
+
+
 def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
                    preset: str | None = None, threads: int | None = None) -> list[BenchResult]:
     """Run one benchmark or ``"all"``; write ``out/<name>.json`` for each and
@@ -193,8 +224,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
     device = _device(device)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    context = {"preset": preset, "device": device, "versions": versions(),
-               "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    context = bench_context(preset, device)
     loads = [load_average()]
     if (why := busy()) is not None:
         log.warning(why)
@@ -208,25 +238,11 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
             machine = machine_info(device)
             for name in names:
                 log.info("%s ...", name)
-                gc.collect()
-                t0 = time.perf_counter()
-                machine = machine_info(device)
-                bench_start = cpu_sample()
-                try:
-                    result = BENCHMARKS[name](PRESETS[preset][name], device=device,
-                                              models=cache)
-                except Exception as exc:  # recorded, reported, and raised at the end
-                    log.exception("benchmark %s failed", name)
-                    result = BenchResult(name, error=f"{type(exc).__name__}: {exc}")
-                result.elapsed_s = time.perf_counter() - t0
-                machine["load_average_after"] = machine_info(device)["load_average"]
-                machine["others_load"] = others_since(bench_start)  # None: /proc cannot say
+                result = run_one(name, BENCHMARKS[name], PRESETS[preset][name],
+                                 device=device, cache=cache, context=context,
+                                 path=out / f"{name}.json")
                 loads.append(load_average())
                 results.append(result)
-                atomic_write_json(out / f"{name}.json",
-                                  result.to_json({**context, "machine": machine}))
-                log.info("%s done in %.1f s -> %s", name, result.elapsed_s,
-                         out / f"{name}.json")
     finally:
         cache.close()
     table = markdown_table(results)
