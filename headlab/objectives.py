@@ -229,14 +229,15 @@ class CausalLM(_TokenLM):
         probs, drawn, scale = _fisher_draws(logits, valid, n, generator)
         hidden = out.last_hidden_state  # (B, S, E), lm_head's input
         T = logits.shape[1]
+        scored = hidden[:, :T]  # (B, T, E)
         shared = torch.autograd.grad(logits, hidden, probs * scale,
                                      retain_graph=True)[0][:, :T]  # (B, T, E)
-        rows = hidden[:, :T].detach().requires_grad_(True)
+        rows = scored.detach().requires_grad_(True)
         picked = model.logits_at(rows, drawn)  # (B, T, n)
         for j in range(n):
             (own,) = torch.autograd.grad(picked[..., j:j + 1], rows, scale.to(picked.dtype),
                                          retain_graph=j < n - 1)
-            yield hidden[:, :T], shared - own
+            yield scored, shared - own
 
 
 class MaskedLM(_TokenLM):
