@@ -188,12 +188,14 @@ def test_row_blocks_pad_and_keep_labels(bpe_tokenizer, caplog):
     blocks = make_blocks(data, bpe_tokenizer, kind="classifier", seq_len=64)
     lengths = [len(bpe_tokenizer(t)["input_ids"]) for t in texts]
     assert blocks.input_ids.shape == (3, max(lengths))
-    assert blocks.attention_mask.sum(1).tolist() == lengths
-    for row, text in enumerate(texts):
-        n = lengths[row]
-        assert blocks.input_ids[row, :n].tolist() == bpe_tokenizer(text)["input_ids"]
+    order = [1, 2, 0]  # longest first
+    assert [lengths[i] for i in order] == sorted(lengths, reverse=True)
+    assert blocks.attention_mask.sum(1).tolist() == [lengths[i] for i in order]
+    for row, i in enumerate(order):
+        n = lengths[i]
+        assert blocks.input_ids[row, :n].tolist() == bpe_tokenizer(texts[i])["input_ids"]
         assert torch.all(blocks.input_ids[row, n:] == 0)  # no pad token: id 0
-    assert_close(blocks.labels, torch.tensor([2, 0, 1]), rtol=0, atol=0)
+    assert_close(blocks.labels, torch.tensor([0, 1, 2]), rtol=0, atol=0)  # with their rows
 
     with caplog.at_level(logging.WARNING, logger="headlab.data"):
         short = make_blocks(data, bpe_tokenizer, kind="classifier", seq_len=4)
@@ -222,7 +224,10 @@ def test_row_blocks_stop_at_the_token_budget(bpe_tokenizer):
         n = len(blocks)
         assert sum(lengths[:n]) <= budget < sum(lengths[: n + 1])  # as many rows as fit
         assert blocks.n_tokens == sum(lengths[:n])
-        assert blocks.labels.tolist() == list(range(n))
+        # the first n examples, longest first, each row with its own label
+        assert sorted(blocks.labels.tolist()) == list(range(n))
+        assert blocks.attention_mask.sum(1).tolist() == [lengths[i] for i in blocks.labels]
+        assert blocks.attention_mask.sum(1).tolist() == sorted(lengths[:n], reverse=True)
     # a budget below the first row still gives that row
     assert len(make_blocks(data, bpe_tokenizer, kind="classifier", seq_len=16,
                            max_tokens=3)) == 1
@@ -256,9 +261,9 @@ def test_sentence_encoders_read_prose_a_sentence_per_row(bpe_tokenizer, tmp_path
     assert data.texts == ["One short line. Another one here!", "A second paragraph? Yes."]
     rows = make_blocks(data, bpe_tokenizer, kind="embedding", seq_len=64)
     want = ["One short line.", "Another one here!", "A second paragraph?", "Yes."]
-    assert rows.attention_mask.sum(1).tolist() == [len(bpe_tokenizer(t)["input_ids"])
-                                                   for t in want]
-    assert rows.input_ids[1, :4].tolist() == bpe_tokenizer(want[1])["input_ids"][:4]
+    encoded = sorted((bpe_tokenizer(t)["input_ids"] for t in want), key=len, reverse=True)
+    assert rows.attention_mask.sum(1).tolist() == [len(e) for e in encoded]
+    assert [rows.input_ids[i, :len(e)].tolist() for i, e in enumerate(encoded)] == encoded
     # rows the user gave (jsonl, csv, datasets) stay whole, and classifiers read rows
     assert len(make_blocks(TextData(data.texts), bpe_tokenizer, kind="embedding",
                            seq_len=64)) == 2

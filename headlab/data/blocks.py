@@ -133,6 +133,8 @@ def _sentence_blocks(data: TextData, tokenizer, *, seq_len: int,
 
 
 def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Blocks:
+    """One padded row per example (or pair), the examples read in order up to
+    ``max_tokens`` and then ordered longest first, each with its label."""
     rows, total, n_truncated = [], 0, 0
     for i, text in enumerate(data.texts):
         second = data.pairs[i] if data.pairs is not None else None
@@ -149,6 +151,9 @@ def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Block
     if n_truncated:
         log.warning("%d of %d examples were longer than %d tokens and were truncated",
                     n_truncated, len(rows), seq_len)
+    # longest first (ties in reading order): a batch of neighbouring rows is cut after its
+    # longest row's last token, so rows of about one length waste little on padding
+    rows.sort(key=lambda row: -len(row[1]))
     width = max(len(r) for _, r in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -166,7 +171,7 @@ def _row_blocks(data: TextData, tokenizer, *, seq_len: int, max_tokens) -> Block
 LAYOUTS = {
     "stream": _stream_blocks,  # texts joined by EOS, cut into full blocks
     "wrapped-stream": _wrapped_stream_blocks,  # the same, each block in [CLS] ... [SEP]
-    "rows": _row_blocks,  # one padded, truncated row per example or pair
+    "rows": _row_blocks,  # one padded, truncated row per example or pair, longest first
     "sentences": _sentence_blocks,  # rows; prose one sentence per row
 }
 
