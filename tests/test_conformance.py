@@ -34,6 +34,7 @@ from _families import (
     model_class,
     readme_table,
 )
+from _gates import gate_leaves
 from torch.testing import assert_close
 
 from headlab import capture, load, load_texts, make_blocks, prepare
@@ -227,11 +228,7 @@ def _check_curvature_probes(model, batch) -> None:
     (p - onehot(y)) / sqrt(T) on an example's T scored logits, y drawn from p itself
     (the Fisher identity): decoders take it back from the final hidden states, through
     soft-capping where configured (gemma2), on a batch with padding on both sides."""
-    gates = []
-    for a in model.attentions:
-        gates.append(torch.ones(len(batch["input_ids"]), a.n_heads, requires_grad=True))
-        a.gate_override = gates[-1]
-    try:
+    with gate_leaves(model, len(batch["input_ids"])) as gates:  # (B, H) each
         objective = objective_for(model)
         out = objective.forward(model, batch)
         if model.kind == "causal-lm":
@@ -254,9 +251,6 @@ def _check_curvature_probes(model, batch) -> None:
             for e, g in zip(expected, got, strict=True):
                 assert_close(g, e, rtol=1e-4, atol=1e-7)
         assert j == n - 1
-    finally:
-        for a in model.attentions:
-            a.gate_override = None
 
 
 @each_family

@@ -19,6 +19,7 @@ import transformers as tf
 from _families import DECODER_SIZE as _SMALL
 from _families import DECODERS as CASES
 from _families import write_decoder as _checkpoint
+from _gates import gate_leaves
 from torch.testing import assert_close
 
 from headlab.models import load
@@ -275,17 +276,9 @@ def _per_example_gate_grads(model, examples: torch.Tensor) -> torch.Tensor:
     """dL(x)/d gate for each example x alone: (N, L, H), autograd on (H,) leaves."""
     out = []
     for x in examples:
-        gates = []
-        for attn in model.attentions:
-            g = attn.head_gate.detach().clone().requires_grad_(True)
-            attn.gate_override = g
-            gates.append(g)
-        try:
+        with gate_leaves(model) as gates:
             logp = model(x[None]).logits[0, :-1].log_softmax(-1)  # (S-1, V)
             (-logp.gather(-1, x[1:, None]).mean()).backward()
-        finally:
-            for attn in model.attentions:
-                attn.gate_override = None
         out.append(torch.stack([g.grad.double() for g in gates]))
     return torch.stack(out)
 

@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 from _encoders import FAMILIES, VOCAB, batch, load_hf, write_checkpoint
+from _gates import gate_leaves
 from torch.testing import assert_close
 
 from headlab.attention.hooks import capture
@@ -142,14 +143,8 @@ def test_michel_equals_per_example_brute_force(tmp_path, family, head):
     expected = []
     for ids, mask, labels in zip(blocks.input_ids, blocks.attention_mask, blocks.labels,
                                  strict=True):
-        gates = [a.head_gate.detach().clone().requires_grad_(True) for a in model.attentions]
-        for a, g in zip(model.attentions, gates, strict=True):
-            a.gate_override = g
-        try:
+        with gate_leaves(model) as gates:
             _example_loss(model, ids, mask, labels).backward()
-        finally:
-            for a in model.attentions:
-                a.gate_override = None
         expected.append(torch.stack([g.grad.double().abs() for g in gates]))  # (L, H)
     michel = score(model, blocks, method="michel", batch_size=3, normalize=False)
     assert_close(michel.tensor(), torch.stack(expected).mean(0), rtol=1e-4, atol=1e-9)

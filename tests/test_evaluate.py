@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from _curvature import gauss_newton_by_hand
+from _gates import gate_leaves
 from torch.testing import assert_close
 
 import headlab
@@ -259,12 +260,7 @@ def test_embedding_fidelity_is_one_for_the_unpruned_model(tmp_path_factory, word
 # ---------------------------------------------------------------------- curvature probes
 def _probe_curvature(model, batch: dict, n: int) -> torch.Tensor:
     """Mean over ``n`` probes of (d probe / d gate)^2 per example: (B, L, H)."""
-    gates = []
-    for attn in model.attentions:
-        g = torch.ones(len(batch["input_ids"]), attn.n_heads, requires_grad=True)  # (B, H)
-        attn.gate_override = g
-        gates.append(g)
-    try:
+    with gate_leaves(model, len(batch["input_ids"])) as gates:  # (B, H) each
         objective = objective_for(model)
         out = objective.forward(model, batch)
         total = torch.zeros(len(batch["input_ids"]), len(gates), gates[0].shape[1],
@@ -276,9 +272,6 @@ def _probe_curvature(model, batch: dict, n: int) -> torch.Tensor:
             assert cotangent.shape == output.shape
             grads = torch.autograd.grad(output, gates, cotangent, retain_graph=j < n - 1)
             total += torch.stack(grads, 1).double().pow(2)
-    finally:
-        for attn in model.attentions:
-            attn.gate_override = None
     return total / n
 
 

@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 from _curvature import gauss_newton_by_hand
+from _gates import gate_leaves
 from torch.testing import assert_close
 
 from headlab.data.blocks import Blocks
@@ -51,16 +52,8 @@ def _per_example_gate_grads(model, blocks: Blocks) -> torch.Tensor:
     """dL(x)/d gate for each example x separately: (N, L, H), via autograd on (H,) leaves."""
     out = []
     for x in blocks.input_ids:
-        gates = []
-        for attn in model.attentions:
-            g = attn.head_gate.detach().clone().requires_grad_(True)  # (H,)
-            attn.gate_override = g
-            gates.append(g)
-        try:
+        with gate_leaves(model) as gates:  # (H,) each
             _example_loss(model, x[None]).backward()
-        finally:
-            for attn in model.attentions:
-                attn.gate_override = None
         out.append(torch.stack([g.grad.double() for g in gates]))
     model.zero_grad(set_to_none=True)
     return torch.stack(out)

@@ -174,77 +174,74 @@ def _gradient_scores(model, blocks, batch_size, *, method: str, per_token: bool,
         if checkpoint is not None and done > start:
             checkpoint.put(key, {"batch": done, "n_tokens": n_tokens, "acc": acc})
 
-    def float64(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        return [None if g is None else g.double() for g in grads]
-
-    was_training = model.training
-    model.eval()
-    requires = [p.requires_grad for p in model.parameters()]
-    for p in model.parameters():
-        p.requires_grad_(False)  # only the gates need gradients
     try:
-        for index, batch in enumerate(track(blocks.batches(batch_size),
-                                            total=blocks.n_tokens, size=tokens_in,
-                                            unit="tokens", description="scoring heads")):
-            if index < start:  # done before the interruption
-                continue
-            B, S = batch["input_ids"].shape
-            gates = []
-            for a in attns:
-                base = a.head_gate.detach().to(torch.float32)
-                shape = (B, S, a.n_heads) if per_token else (B, a.n_heads)
-                g = base.expand(shape).clone().requires_grad_(True)
-                a.gate_override = g
-                gates.append(g)
-            out = objective.forward(model, batch)
-            # michel and fisher read the scoring loss (embedding: see Embedding.losses)
-            loss, count, _ = objective.losses(model, out, batch, scoring=method != "taylor")
-            if not torch.isfinite(loss).all():
-                raise FloatingPointError("non-finite loss while scoring; see --dtype float32")
-            # sum of per-example mean losses: d/d gate_x is example x's own gradient,
-            # (B, H) (per-token gates: (B, S, H))
-            grads = float64(torch.autograd.grad(loss.sum(), gates, allow_unused=True,
-                                                    retain_graph=method == "taylor"))
-            if method == "taylor":
+        with gates.frozen(model):  # only the gates need gradients
+            for index, batch in enumerate(track(blocks.batches(batch_size),
+                                                total=blocks.n_tokens, size=tokens_in,
+                                                unit="tokens", description="scoring heads")):
+                if index < start:  # done before the interruption
+                    continue
                 # per batch, rank and seed its own draws, so a resumed run repeats them
                 gen = distributed.step_generator(seed, index)
-                curvature = [None if g is None else torch.zeros_like(g) for g in grads]
-                pairs = objective.curvature_probes(model, out, batch, probes, gen)
-                for j, (output, cotangent) in enumerate(pairs):
-                    pg = float64(torch.autograd.grad(output, gates, cotangent,
-                                                     allow_unused=True,
-                                                     retain_graph=j < probes - 1))
-                    for c, g in zip(curvature, pg, strict=True):
-                        if c is not None and g is not None:
-                            c += g.pow(2) / probes
-                contrib = [None if g is None else -g + 0.5 * c
-                           for g, c in zip(grads, curvature, strict=True)]
-            elif method == "fisher":
-                contrib = [None if g is None else g.pow(2) for g in grads]
-            else:
-                contrib = [None if g is None else g.abs() for g in grads]
-            for i, c in enumerate(contrib):
-                if c is None:  # a layer with every head pruned: nothing to score
-                    continue
-                acc[i] += (c.sum(1) if per_token else c).sum(0).cpu()
-            n_tokens += int(count.sum())
-            done = index + 1
-            if checkpoint is not None and done % checkpoint.every == 0:
-                save()
+                contrib, count = _batch_contributions(model, objective, batch, method=method,
+                                                      per_token=per_token, probes=probes,
+                                                      generator=gen)
+                for i, c in enumerate(contrib):
+                    if c is None:  # a layer with every head pruned: nothing to score
+                        continue
+                    acc[i] += (c.sum(1) if per_token else c).sum(0).cpu()
+                n_tokens += count
+                done = index + 1
+                if checkpoint is not None and done % checkpoint.every == 0:
+                    save()
     except KeyboardInterrupt:
         save()
         raise
-    finally:
-        for a in attns:
-            a.gate_override = None
-        for p, r in zip(model.parameters(), requires, strict=True):
-            p.requires_grad_(r)
-        model.train(was_training)
     acc = [distributed.all_reduce_sum(a) for a in acc]
     (n_tokens,) = distributed.sum_floats(n_tokens)
     n = max(n_examples, 1)
     return [torch.where(m.cpu(), s / n, torch.nan) for s, m in zip(acc, active_heads(model),
                                                                      strict=True)], int(n_tokens)
+
+
+def _batch_contributions(model, objective, batch, *, method: str, per_token: bool,
+                         probes: int, generator: torch.Generator):
+    """One batch's per-example contributions to the sums `_gradient_scores` keeps, one
+    float64 tensor per layer ((B, H), per-token (B, S, H); None for a layer with no
+    head), and the tokens its loss scored."""
+    B, S = batch["input_ids"].shape
+    leaves = []  # the gates that take the gradients, one per layer
+    for a in model.attentions:
+        base = a.head_gate.detach().to(torch.float32)
+        shape = (B, S, a.n_heads) if per_token else (B, a.n_heads)
+        a.gate_override = base.expand(shape).clone().requires_grad_(True)
+        leaves.append(a.gate_override)
+    out = objective.forward(model, batch)
+    # michel and fisher read the scoring loss (embedding: see Embedding.losses)
+    loss, count, _ = objective.losses(model, out, batch, scoring=method != "taylor")
+    if not torch.isfinite(loss).all():
+        raise FloatingPointError("non-finite loss while scoring; see --dtype float32")
+    # sum of per-example mean losses: d/d gate_x is example x's own gradient
+    grads = _float64(torch.autograd.grad(loss.sum(), leaves, allow_unused=True,
+                                         retain_graph=method == "taylor"))
+    if method == "fisher":
+        return [None if g is None else g.pow(2) for g in grads], int(count.sum())
+    if method != "taylor":
+        return [None if g is None else g.abs() for g in grads], int(count.sum())
+    curvature = [None if g is None else torch.zeros_like(g) for g in grads]
+    pairs = objective.curvature_probes(model, out, batch, probes, generator)
+    for j, (output, cotangent) in enumerate(pairs):
+        pg = _float64(torch.autograd.grad(output, leaves, cotangent, allow_unused=True,
+                                          retain_graph=j < probes - 1))
+        for c, g in zip(curvature, pg, strict=True):
+            if c is not None and g is not None:
+                c += g.pow(2) / probes
+    return ([None if g is None else -g + 0.5 * c for g, c in zip(grads, curvature, strict=True)],
+            int(count.sum()))
+
+
+def _float64(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [None if g is None else g.double() for g in grads]
 
 
 @torch.no_grad()

@@ -63,8 +63,9 @@ def check_options(steps: int, lr: float) -> None:
 
 @contextmanager
 def frozen(model: HeadModel) -> Iterator[None]:
-    """``model`` in eval mode with every weight frozen, for training gates beside it;
-    afterwards as it was, with no gate override left on its attentions."""
+    """``model`` in eval mode with every weight frozen, for gate tensors beside it that
+    take gradients (scoring, gate training); afterwards as it was, with no gate override
+    left on its attentions."""
     was_training = model.training
     model.eval()
     requires = [p.requires_grad for p in model.parameters()]
