@@ -2,9 +2,10 @@
 back, on the real bundled models, and what it costs against one michel scoring; and the
 trade-off table: quality, parameters, key/value cache and latency at each of ``keeps``.
 
-Each model is pruned by the default iterative michel schedule, once, down to the
-smallest of ``keeps``; each size's plan is the one that schedule stopped there would
-choose (`ScheduleResult.plan_at`). Each pruned model is measured on held-out data as it
+Each model is pruned by michel's iterative schedule (`prune_to_target`'s default method,
+not `headlab prune`'s, which is taylor), once, down to the smallest of ``keeps``; each
+size's plan is the one that schedule stopped there would choose
+(`ScheduleResult.plan_at`). Each pruned model is measured on held-out data as it
 is (``none``) and after ``method``; the targets are judged at ``keep``. The quality
 figures are not timings; the time ratio is one run of each on the same data, and the
 latency a median of interleaved rounds against the unpruned model."""
