@@ -168,6 +168,20 @@ def test_method_choice_script_writes_the_quality_bench_at_one_keep(tmp_path):
     assert d["machine"]["torch_threads"] >= 1 and "load_average_after" in d["machine"]
 
 
+def test_schedule_study_judges_each_variant_on_calibration_windows_it_did_not_score():
+    """scripts/schedule_study.py, behind the docs' table of schedules and probes: one row
+    per variant, the iterative one re-scoring at each step, every figure measured."""
+    study = script("schedule_study").study("minilm-l6", ["one-shot:0.2:1", "iterative:0.2:2"],
+                                           seq_len=32, score_tokens=256, judge_tokens=256)
+    assert study["score_tokens"] > 0 and study["judge_tokens"] > 0
+    one_shot, iterative = study["rows"]
+    assert one_shot["scorings"] == 1 and iterative["scorings"] == 2  # 72 -> 58 -> 44 heads
+    for row in study["rows"]:
+        assert all(math.isfinite(row[k]) and row[k] > 0
+                   for k in ("pruned", "lsq", "score_s", "lsq_s"))
+        assert row["pruned"] != study["before"]  # fidelity: something was removed
+
+
 def test_recovery_tradeoff_table(tiny_run):
     """One row per size, the unpruned model's first: heads and parameters fall with each
     size, each row's quality and latency are measured, and the page renders them."""

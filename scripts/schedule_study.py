@@ -1,0 +1,86 @@
+"""The run behind docs/prune-and-repair.md's table of schedules and probes: how often taylor
+re-scores (``--schedule``, ``--step``) and how many curvature probes it draws (``--probes``)
+against the held-out perplexity after pruning to keep 0.6 and after ``lsq``, and the
+seconds each takes. Judged on the calibration articles alone, never the evaluation ones,
+so the choice of defaults it informs does not tune to the text that measures them: the
+first ``--score-tokens`` of a seeded sample of calibration windows score and repair, the
+rest of the sample judges.
+
+    python scripts/schedule_study.py OUT.json smollm2-135m
+
+Each variant is a schedule, a step and a number of probes, written ``one-shot:0.1:4`` or
+``iterative:0.1:4`` (``--variants`` takes several, comma-separated). Run it on an idle
+machine without OMP_WAIT_POLICY=PASSIVE, as the benchmarks are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+DEFAULT_VARIANTS = ("one-shot:0.1:1", "one-shot:0.1:4", "iterative:0.2:1", "iterative:0.2:4",
+                    "iterative:0.1:1", "iterative:0.1:4", "iterative:0.05:1")
+
+
+def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: int = 4096,
+          judge_tokens: int = 8192, keep: float = 0.6, batch_size: int = 4) -> dict:
+    """``{"model", "before", "rows": [{"variant", "pruned", "lsq", "score_s", "lsq_s",
+    "scorings"}]}``: perplexity on the judging windows as the model came, after pruning
+    with each variant, and after ``lsq`` fitted on the scoring windows."""
+    import headlab
+    from headlab.bench._data import scoring_and_heldout
+    from headlab.pruning import copy_model
+    from headlab.selection import heads_to_keep
+
+    model = headlab.load(name)
+    calib, _ = scoring_and_heldout(model, "enwiki", seq_len=seq_len,
+                                   max_tokens=score_tokens + judge_tokens, batch_size=batch_size)
+    n_score = score_tokens // seq_len
+    if len(calib) <= n_score:
+        raise SystemExit(f"{name}: {len(calib)} windows, too few to judge beyond the "
+                         f"{n_score} that score")
+    scoring = calib.subset(list(range(n_score)))
+    judging = calib.subset(list(range(n_score, len(calib))))
+    n_keep = heads_to_keep(model.n_layers * model.n_original_heads, keep=keep)
+    before = headlab.evaluate(model, judging, batch_size=batch_size).value
+    rows = []
+    for variant in variants:
+        schedule, step, probes = variant.split(":")
+        t0 = time.perf_counter()
+        # the schedule's own curve is not read: one window keeps its evaluations cheap
+        r = headlab.prune_to_target(model, scoring, judging.subset([0]), method="taylor",
+                                    n_keep=n_keep, schedule=schedule, step=float(step),
+                                    batch_size=batch_size, score_kwargs={"probes": int(probes)})
+        score_s = time.perf_counter() - t0
+        pruned = headlab.prune(copy_model(model), r.plan_at(n_keep))
+        after = headlab.evaluate(pruned, judging, batch_size=batch_size).value
+        t0 = time.perf_counter()
+        headlab.recover(pruned, model, scoring, method="lsq", batch_size=batch_size)
+        lsq_s = time.perf_counter() - t0
+        rows.append({"variant": variant, "pruned": after,
+                     "lsq": headlab.evaluate(pruned, judging, batch_size=batch_size).value,
+                     "score_s": score_s, "lsq_s": lsq_s, "scorings": len(r.step_scores)})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"model": name, "before": before, "keep": keep, "seq_len": seq_len,
+            "score_tokens": int(scoring.attention_mask.sum()),
+            "judge_tokens": int(judging.attention_mask.sum()), "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the JSON to write")
+    parser.add_argument("model", help="a bundled model name")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--score-tokens", type=int, default=4096)
+    parser.add_argument("--judge-tokens", type=int, default=8192)
+    args = parser.parse_args()
+    result = study(args.model, args.variants.split(","), seq_len=args.seq_len,
+                   score_tokens=args.score_tokens, judge_tokens=args.judge_tokens)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
