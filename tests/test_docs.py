@@ -277,8 +277,14 @@ def test_the_documented_default_method_is_the_runs_and_its_evidence_is_committed
     page = (ROOT / "docs" / "prune-and-repair.md").read_text()
     marked = re.findall(r"^\| `(\w+)` \(default\) \|", page, flags=re.M)
     assert marked == [RunConfig.method]
-    for model, cells in (("smollm2-135m", ("83.8", "40.8", "47.4", "38.2")),
-                         ("gemma3-270m", ("131", "199", "44.6", "46.9"))):
+
+    def documented(row: str) -> list[str]:  # the michel and taylor cells of a table row
+        (line,) = [ln for ln in page.splitlines() if ln.startswith(f"| {row} |")]
+        return [c.strip().strip("*") for c in line.split("|")[2:4]]
+
+    for model, label, cells in (
+            ("smollm2-135m", "SmolLM2-135M", ("83.8", "40.8", "47.4", "38.2")),
+            ("gemma3-270m", "Gemma-3-270M", ("131", "199", "44.6", "46.9"))):
         path = ROOT / "reports" / "bench" / "method-choice" / f"quality-{model}.json"
         run = json.loads(path.read_text())
         assert run["config"]["step"] == RunConfig.step, "chosen on the schedule a run uses"
@@ -287,3 +293,5 @@ def test_the_documented_default_method_is_the_runs_and_its_evidence_is_committed
         figures = [got["michel", "none"], got["taylor", "none"], got["michel", "lsq"],
                    got["taylor", "lsq"]]
         assert [f"{v:.3g}" for v in figures] == list(cells), model
+        pruned = f"{label} ({grid['before']:.1f}), pruned"  # the page's table shows them
+        assert documented(pruned) + documented(f"{label}, after lsq") == list(cells), label
