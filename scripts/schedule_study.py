@@ -1,16 +1,21 @@
-"""The run behind docs/prune-and-repair.md's table of schedules and probes: how often taylor
-re-scores (``--schedule``, ``--step``) and how many curvature probes it draws (``--probes``)
-against the held-out perplexity after pruning to keep 0.6 and after ``lsq``, and the
-seconds each takes. Judged on the calibration articles alone, never the evaluation ones,
-so the choice of defaults it informs does not tune to the text that measures them: the
-first ``--score-tokens`` of a seeded sample of calibration windows score and repair, the
-rest of the sample judges.
+"""The run behind docs/prune-and-repair.md's tables of schedules and probes and of gate
+training: how often taylor re-scores (``--schedule``, ``--step``) and how many curvature
+probes it draws (``--probes``), or how the learned gates train, against the held-out
+perplexity after pruning to keep 0.6 and after ``lsq``, and the seconds each takes.
+Judged on the calibration articles alone, never the evaluation ones, so the choice of
+defaults it informs does not tune to the text that measures them: the first
+``--score-tokens`` of a seeded sample of calibration windows score and repair, the rest
+of the sample judges.
 
     python scripts/schedule_study.py OUT.json smollm2-135m
 
-Each variant is a schedule, a step and a number of probes, written ``one-shot:0.1:4`` or
-``iterative:0.1:4`` (``--variants`` takes several, comma-separated). Run it on an idle
-machine without OMP_WAIT_POLICY=PASSIVE, as the benchmarks are.
+Each variant is a schedule, a step and a number of taylor's probes, written
+``one-shot:0.1:4`` or ``iterative:0.1:4``, or gates trained for a number of steps at a
+learning rate, the multipliers at their own if given: ``gates:100:0.1`` or
+``gates:100:0.1:1.0`` (``--variants`` takes several, comma-separated). Gates keep the heads
+whose gates end most open, once (`headlab.select`), and their row says where the expected
+number of open gates ended. Run it on an idle machine without OMP_WAIT_POLICY=PASSIVE, as
+the benchmarks are.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: i
           judge_tokens: int = 8192, keep: float = 0.6, batch_size: int = 4) -> dict:
     """``{"model", "before", "rows": [{"variant", "pruned", "lsq", "score_s", "lsq_s",
     "scorings"}]}``: perplexity on the judging windows as the model came, after pruning
-    with each variant, and after ``lsq`` fitted on the scoring windows."""
+    with each variant, and after ``lsq`` fitted on the scoring windows; gates' rows add
+    ``expected_open``."""
     import headlab
     from headlab.bench._data import scoring_and_heldout
     from headlab.pruning import copy_model
@@ -47,21 +53,32 @@ def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: i
     before = headlab.evaluate(model, judging, batch_size=batch_size).value
     rows = []
     for variant in variants:
-        schedule, step, probes = variant.split(":")
+        kind, *options = variant.split(":")
         t0 = time.perf_counter()
-        # the schedule's own curve is not read: one window keeps its evaluations cheap
-        r = headlab.prune_to_target(model, scoring, judging.subset([0]), method="taylor",
-                                    n_keep=n_keep, schedule=schedule, step=float(step),
-                                    batch_size=batch_size, score_kwargs={"probes": int(probes)})
+        if kind == "gates":
+            steps, lr, *lagrange = options
+            scores = headlab.score(model, scoring, method="gates", batch_size=batch_size,
+                                   target=n_keep, gate_steps=int(steps), gate_lr=float(lr),
+                                   gate_lagrange_lr=float(lagrange[0]) if lagrange else None)
+            plan, scorings = headlab.select(scores, n_keep), 1
+            trained = {"expected_open": scores.extra["expected_open"]}
+        else:
+            step, probes = options
+            # the schedule's own curve is not read: one window keeps its evaluations cheap
+            r = headlab.prune_to_target(model, scoring, judging.subset([0]), method="taylor",
+                                        n_keep=n_keep, schedule=kind, step=float(step),
+                                        batch_size=batch_size,
+                                        score_kwargs={"probes": int(probes)})
+            plan, scorings, trained = r.plan_at(n_keep), len(r.step_scores), {}
         score_s = time.perf_counter() - t0
-        pruned = headlab.prune(copy_model(model), r.plan_at(n_keep))
+        pruned = headlab.prune(copy_model(model), plan)
         after = headlab.evaluate(pruned, judging, batch_size=batch_size).value
         t0 = time.perf_counter()
         headlab.recover(pruned, model, scoring, method="lsq", batch_size=batch_size)
         lsq_s = time.perf_counter() - t0
         rows.append({"variant": variant, "pruned": after,
                      "lsq": headlab.evaluate(pruned, judging, batch_size=batch_size).value,
-                     "score_s": score_s, "lsq_s": lsq_s, "scorings": len(r.step_scores)})
+                     "score_s": score_s, "lsq_s": lsq_s, "scorings": scorings, **trained})
         print(json.dumps(rows[-1]), flush=True)
     return {"model": name, "before": before, "keep": keep, "seq_len": seq_len,
             "score_tokens": int(scoring.attention_mask.sum()),

@@ -169,13 +169,16 @@ def test_method_choice_script_writes_the_quality_bench_at_one_keep(tmp_path):
 
 
 def test_schedule_study_judges_each_variant_on_calibration_windows_it_did_not_score():
-    """scripts/schedule_study.py, behind the docs' table of schedules and probes: one row
-    per variant, the iterative one re-scoring at each step, every figure measured."""
-    study = script("schedule_study").study("minilm-l6", ["one-shot:0.2:1", "iterative:0.2:2"],
-                                           seq_len=32, score_tokens=256, judge_tokens=256)
+    """scripts/schedule_study.py, behind the docs' tables of schedules and probes and of
+    gate training: one row per variant, the iterative one re-scoring at each step, gates
+    trained once toward the heads kept, every figure measured."""
+    study = script("schedule_study").study(
+        "minilm-l6", ["one-shot:0.2:1", "iterative:0.2:2", "gates:3:0.1:1.0"], seq_len=32,
+        score_tokens=256, judge_tokens=256)
     assert study["score_tokens"] > 0 and study["judge_tokens"] > 0
-    one_shot, iterative = study["rows"]
+    one_shot, iterative, gates = study["rows"]
     assert one_shot["scorings"] == 1 and iterative["scorings"] == 2  # 72 -> 58 -> 44 heads
+    assert gates["scorings"] == 1 and 44 < gates["expected_open"] <= 72  # 3 steps: far off
     for row in study["rows"]:
         assert all(math.isfinite(row[k]) and row[k] > 0
                    for k in ("pruned", "lsq", "score_s", "lsq_s"))
@@ -222,6 +225,10 @@ def test_quality_grid_has_every_method_at_every_keep_and_the_docs_render_it(tiny
             assert [len(s) for s in r["samples"]] == [3] * len(sizes.keeps)
             assert r["lost"] == pytest.approx([statistics.mean(s) for s in r["samples"]])
     assert {"michel", "gates", "flap", "michel+lsq", "flap+bias"} <= set(g["seconds"])
+    # one gate training per keep, each toward that keep's heads, and where it ended
+    assert [t["target"] for t in g["gates_ended"]] == g["heads_kept"]
+    assert all(t["target_met"] == (abs(t["expected_open"] - t["target"])
+                                   <= 0.02 * t["target"]) for t in g["gates_ended"])
     table = script("bench_tables").table(d)
     assert "| keep 0.8 (58 heads) | keep 0.6 (44 heads) |" in table
     assert "| flap | bias |" in table and "| random (mean of 3 seeds) | lsq |" in table

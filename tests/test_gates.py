@@ -55,6 +55,39 @@ def test_the_expected_open_gates_reach_the_target(tiny_gpt2, blocks, target):
     expected = float(p_open(s.tensor()).sum())
     assert expected == pytest.approx(target, rel=0.02)
     assert expected == pytest.approx(s.extra["expected_open"], rel=1e-9)
+    assert s.extra["target_met"]
+
+
+def test_the_multipliers_train_at_their_own_rate(tiny_gpt2, blocks):
+    """--gate-lagrange-lr moves the multipliers alone: unset, they train at the gates'
+    rate; faster, they grow further in the same steps."""
+    runs = [score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4, gate_steps=20,
+                  **kw) for kw in ({}, {"gate_lagrange_lr": 0.1}, {"gate_lagrange_lr": 1.0})]
+    shared, same, faster = runs
+    assert shared.extra["lagrange_lr"] == shared.extra["lr"] == 0.1
+    assert_close(shared.tensor(), same.tensor(), rtol=0, atol=0)
+    assert faster.extra["lagrange_lr"] == 1.0
+    assert faster.extra["lambdas"][0] > 5 * shared.extra["lambdas"][0] > 0
+
+
+@pytest.mark.parametrize(("steps", "above", "says"), [
+    (2, True, "did not pull them down"),  # too few steps to shut 9 of 12 gates
+    (60, False, "overshot"),  # the multipliers still pull down when the count passes 3
+])
+def test_gates_that_end_off_the_target_say_so(tiny_gpt2, blocks, caplog, steps, above, says):
+    """A training that ends off its target warns, naming which way and what would move
+    it, and the scores record it."""
+    with caplog.at_level("WARNING", logger="headlab.importance.gates"):
+        s = score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4,
+                  gate_steps=steps)
+    assert not s.extra["target_met"]
+    assert (s.extra["expected_open"] > 3 * 1.02) if above else \
+        (s.extra["expected_open"] < 3 * 0.98)
+    (record,) = [r for r in caplog.records if r.name == "headlab.importance.gates"]
+    message = record.getMessage()
+    assert "against a target of 3" in message and says in message
+    assert "--gate-steps" in message and "--gate-lagrange-lr" in message
+    assert ("a faster" if above else "a slower") in message
 
 
 def test_the_model_s_own_outputs_kept_or_not_train_the_same_gates(tiny_gpt2, blocks,
@@ -118,6 +151,8 @@ def test_one_gate_per_group_scores_a_group_alike(gqa_dir):
     ({"target": 6, "gate_steps": 0}, "--gate-steps"),
     ({"target": 6, "gate_lr": 0.0}, "--gate-lr"),
     ({"target": 6, "gate_lr": -1e-3}, "--gate-lr"),
+    ({"target": 6, "gate_lagrange_lr": 0.0}, "--gate-lagrange-lr"),
+    ({"target": 6, "gate_lagrange_lr": float("nan")}, "--gate-lagrange-lr"),
 ])
 def test_bad_options_say_so(tiny_gpt2, blocks, kwargs, message):
     with pytest.raises(UserError, match=message):

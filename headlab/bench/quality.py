@@ -121,7 +121,8 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
     """Every method's (and each random seed's) held-out quality at each keep, pruned and
     repaired, with the seconds the targets compare. Rows: ``{"method", "repair",
     "quality": [per keep], "lost": [per keep]}``; random's row holds the seeds' means
-    and ``samples`` (per keep, per seed)."""
+    and ``samples`` (per keep, per seed). ``gates_ended``: each gate training's target
+    and the expected number of gates open at its end."""
     import headlab
     from headlab.pruning import copy_model
     from headlab.selection import heads_to_keep
@@ -133,12 +134,16 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
     sign = -1 if before.higher_is_better else 1
     seconds: dict[str, float] = {}
     scorings: dict[str, int] = {}
+    trained: list[dict] = []  # per gate training: its target and where it ended
 
     def scored(name: str, kw: dict, n_keep: int):  # one scoring, timed
         t0 = time.perf_counter()
         scores = headlab.score(model, scoring, method=name, batch_size=sizes.batch, **kw,
                                **({"target": n_keep, "gate_steps": sizes.gate_steps}
                                   if name in TARGETED else {}))
+        if name in TARGETED:
+            trained.append({k: scores.extra[k] for k in ("target", "expected_open",
+                                                         "target_met")})
         return scores, time.perf_counter() - t0
 
     def plans(label: str, name: str, kw: dict, seed: int) -> list:  # one per keep
@@ -200,7 +205,7 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
                      "lost": [mean(x) for x in samples], "samples": samples})
     return {"metric": before.metric, "before": before.value, "keeps": list(sizes.keeps),
             "heads_kept": n_keeps, "total_heads": total, "rows": rows, "seconds": seconds,
-            "scorings": scorings}
+            "scorings": scorings, "gates_ended": trained}
 
 
 def _judge(res: BenchResult, name: str, grid: dict, decoder: bool, setting: str,

@@ -91,8 +91,12 @@ GateStepsOpt = Annotated[int, typer.Option(
     help="gates: AdamW steps training the head gates (one batch each; one passkey "
          "prompt each for --demote-by gates).")]
 GateLrOpt = Annotated[float, typer.Option(
-    help="gates: learning rate of the gates and of the Lagrangian's multipliers (and of "
-         "--demote-by gates).")]
+    help="gates: learning rate of the gates and, unless --gate-lagrange-lr, of the "
+         "Lagrangian's multipliers (and of --demote-by gates).")]
+GateLagrangeLrOpt = Annotated[float | None, typer.Option(
+    show_default=False,
+    help="gates: learning rate of the Lagrangian's multipliers alone; default: --gate-lr. "
+         "The run warns where the gates end far from their target.")]
 GateRegOpt = Annotated[float, typer.Option(
     help="--demote-by gates: weight of the L1 penalty that pulls the gates toward "
          "streaming (DuoAttention's 0.05).")]
@@ -248,7 +252,8 @@ EXPORT = (
 SCORING = (Opt("normalize", NormalizeOpt), Opt("global_minmax", MinmaxOpt, False),
            Opt("per_token", PerTokenOpt, False), Opt("probes", ProbesOpt, D["probes"]),
            Opt("gate_steps", GateStepsOpt, D["gate_steps"]),
-           Opt("gate_lr", GateLrOpt, D["gate_lr"]))
+           Opt("gate_lr", GateLrOpt, D["gate_lr"]),
+           Opt("gate_lagrange_lr", GateLagrangeLrOpt))
 RECOVERY = (
     Opt("recover", Annotated[Recovery, typer.Option(
         help="Repair after pruning, on the scoring split: lsq refits each layer's output "

@@ -20,6 +20,7 @@ scores: selection keeps the heads (or groups) whose gates are the most open.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +35,8 @@ from headlab.models.base import HeadModel
 from headlab.objectives import objective_for
 from headlab.parallel import distributed
 
+log = logging.getLogger(__name__)
+
 BETA, LOW, HIGH = 2 / 3, -0.1, 1.1  # Louizos et al.'s temperature and stretch
 EPS = 1e-6  # keeps the uniform noise off 0 and 1
 INIT_LOG_ALPHA = 3.0  # every gate starts open: P(open) = 0.99
@@ -41,6 +44,7 @@ LOG_ALPHA_BOUNDS = (-10.0, 10.0)
 DEFAULT_STEPS = 100
 DEFAULT_LR = 0.1
 TEACHER_SHARE = 0.25  # of the device's memory, at most, for the model's outputs kept
+TARGET_TOLERANCE = 0.02  # of the target: the Lagrangian has bound where E ends within it
 
 
 def p_open(log_alpha: torch.Tensor) -> torch.Tensor:
@@ -54,11 +58,12 @@ def sample(log_alpha: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (s * (HIGH - LOW) + LOW).clamp(0.0, 1.0)
 
 
-def check_options(steps: int, lr: float) -> None:
+def check_options(steps: int, lr: float, lagrange_lr: float | None = None) -> None:
     if steps < 1:
         raise UserError(f"--gate-steps must be at least 1 training step, got {steps}")
-    if not lr > 0 or not math.isfinite(lr):
-        raise UserError(f"--gate-lr must be a positive learning rate, got {lr}")
+    for flag, value in (("--gate-lr", lr), ("--gate-lagrange-lr", lagrange_lr)):
+        if value is not None and (not value > 0 or not math.isfinite(value)):
+            raise UserError(f"{flag} must be a positive learning rate, got {value}")
 
 
 @contextmanager
@@ -160,16 +165,21 @@ class _Teacher:
 
 def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: int,
                 by_group: bool = False, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
-                seed: int = 0, checkpoint: Checkpoint | None = None, key: str = "gates"
+                lagrange_lr: float | None = None, seed: int = 0,
+                checkpoint: Checkpoint | None = None, key: str = "gates"
                 ) -> tuple[list[torch.Tensor], int, dict]:
-    """Train the gates of ``model``'s active heads toward ``target`` open units.
+    """Train the gates of ``model``'s active heads toward ``target`` open units, the
+    gates at ``lr``, the Lagrangian's multipliers at ``lagrange_lr`` (None: ``lr``, as
+    Sheared-LLaMA shares one rate between them).
 
     ``blocks`` is this rank's shard; under torchrun data parallel the gates' gradients
     are averaged over ranks. Returns per layer the log_alpha of each present head (its
     group's with ``by_group``; NaN where masked), the tokens trained on, and what the
-    training ended at (``expected_open``, ``loss``, the multipliers).
+    training ended at (``expected_open``, ``target_met``: whether that is within
+    `TARGET_TOLERANCE` of the target, warned of where not; ``loss``, the multipliers).
     """
-    check_options(steps, lr)
+    check_options(steps, lr, lagrange_lr)
+    lagrange_lr = lr if lagrange_lr is None else lagrange_lr
     unit_of, n_units = _units(model, by_group)
     what = "groups" if by_group else "heads"
     if not 1 <= target <= max(n_units, 1):
@@ -181,7 +191,8 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
     lambdas = torch.zeros(2, requires_grad=True)  # lambda1, lambda2
     gate_opt = torch.optim.AdamW([log_alpha], lr=lr, weight_decay=0.0)
     # ascent: the multipliers maximise what the gates minimise
-    lambda_opt = torch.optim.AdamW([lambdas], lr=lr, weight_decay=0.0, maximize=True)
+    lambda_opt = torch.optim.AdamW([lambdas], lr=lagrange_lr, weight_decay=0.0,
+                                   maximize=True)
     batches = list(blocks.batches(batch_size))
     start, n_tokens = 0, 0
     saved = checkpoint.get(key) if checkpoint is not None else None
@@ -246,7 +257,19 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
     alpha = log_alpha.detach().double()
     padded = torch.cat([alpha, torch.tensor([math.nan], dtype=torch.float64)])
     raw = [padded[index.where(index >= 0, n_units)] for index in unit_of]
-    extra = {"steps": steps, "lr": lr, "target": target, "unit": "kv-group" if by_group
-             else "head", "expected_open": float(p_open(alpha).sum()),
+    expected = float(p_open(alpha).sum())
+    target_met = abs(expected - target) <= TARGET_TOLERANCE * target
+    if not target_met:
+        why, move = (("the Lagrangian did not pull them down to it", "a faster")
+                     if expected > target else ("the multipliers overshot", "a slower"))
+        log.warning("the gates ended with %.1f %s expected open against a target of %d "
+                    "after %d steps (%s); the %d with the largest log alpha are kept. More "
+                    "--gate-steps or %s --gate-lagrange-lr trains them nearer the target, "
+                    "which does not always choose better heads (docs/prune-and-repair.md, "
+                    "'When the gates miss their target')", expected, what, target, steps,
+                    why, target, move)
+    extra = {"steps": steps, "lr": lr, "lagrange_lr": lagrange_lr, "target": target,
+             "unit": "kv-group" if by_group else "head", "expected_open": expected,
+             "target_met": target_met,
              "loss": status["loss"], "lambdas": lambdas.detach().tolist()}
     return raw, int(n_tokens), extra

@@ -84,6 +84,7 @@ class RunConfig:
     probes: int = 4  # taylor's curvature probes per batch
     gate_steps: int = GATE_STEPS  # gates: AdamW steps training the head gates
     gate_lr: float = GATE_LR  # gates: their learning rate (and the multipliers')
+    gate_lagrange_lr: float | None = None  # gates: the multipliers' rate; None: gate_lr
     gate_reg: float = GATE_REG  # --demote-by gates: weight of the L1 penalty on the gates
     device: str = "auto"
     dtype: str = "float32"
@@ -167,7 +168,7 @@ class RunConfig:
         if self.command == "score" and self.method in TARGETED and not targeted:
             raise UserError(f"--method {self.method} trains toward a number of heads to "
                             "keep: give --keep FRACTION or --prune N")
-        check_gate_options(self.gate_steps, self.gate_lr)
+        check_gate_options(self.gate_steps, self.gate_lr, self.gate_lagrange_lr)
         check_gate_reg(self.gate_reg)
         self._check_kv_cache()
         if self.schedule not in SCHEDULES:
