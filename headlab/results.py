@@ -126,6 +126,7 @@ class RunResult:
     heads_kept: int | None = None
     kept_heads: dict[int, list[int]] | None = None
     importance_normalisation: str | None = None
+    scoring_details: dict[str, Any] = field(default_factory=dict)  # e.g. where gates ended
     # a pruning run's scores that chose each removal (``importance`` is the first scoring)
     removal_scores: RemovalScores | None = None
     heads_per_layer: BeforeAfter[list[int]] = field(default_factory=BeforeAfter)
@@ -196,6 +197,8 @@ class RunResult:
         # optional: a file without them reads back as it was
         if self.head_types:
             d["head_types"] = self.head_types
+        if self.scoring_details:
+            d["scoring_details"] = self.scoring_details
         if self.removal_scores is not None:
             d["removal_scores"] = self.removal_scores.to_json()
         return _json_safe(d)
@@ -238,6 +241,7 @@ class RunResult:
             heads_kept=_int(d.get("heads_kept")),
             kept_heads=_kept(d.get("kept_heads")),
             importance_normalisation=_str(d.get("importance_normalisation")),
+            scoring_details=_section(d, "scoring_details"),
             removal_scores=_removal(d.get("removal_scores")),
             heads_per_layer=_counts(d.get("heads_per_layer")),
             kv_heads_per_layer=_counts(d.get("kv_heads_per_layer")),

@@ -157,3 +157,44 @@ def test_one_gate_per_group_scores_a_group_alike(gqa_dir):
 def test_bad_options_say_so(tiny_gpt2, blocks, kwargs, message):
     with pytest.raises(UserError, match=message):
         score(tiny_gpt2, blocks, method="gates", batch_size=4, **kwargs)
+
+
+@pytest.mark.parametrize(("steps", "met"), [(200, True), (2, False)])
+def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, met):
+    """`headlab prune --method gates` keeps the training's end in results.json
+    (``scoring_details``), says it in the summary and in the report's facts; a file
+    read back renders the same line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+    from headlab.importance.gates import ended
+    from headlab.report import render
+    from headlab.results import RunResult
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["prune", "--model", str(tiny_gpt2_dir), "--method", "gates",
+                                 "--keep", "0.25", "--gate-steps", str(steps), "--seq-len",
+                                 str(S), "--max-tokens", str(8 * S), "--batch-size", "4",
+                                 "--recover", "none", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    details = json.loads((out / "results.json").read_text())["scoring_details"]
+    assert details["target"] == 3 and details["steps"] == steps
+    assert details["target_met"] is met
+    assert (abs(details["expected_open"] - 3) <= 0.06) is met
+    line = ended(details)
+    assert line.startswith(f"{details['expected_open']:.1f} heads expected open against a "
+                           f"target of 3 after {steps} steps")
+    assert ("(target met)" if met else "(target missed") in line
+    assert json.loads(r.stdout[r.stdout.index("{"):])["gate_training"] == line
+    assert line in (out / "report.html").read_text()
+    result = RunResult.from_json(json.loads((out / "results.json").read_text()))
+    assert result.scoring_details == details and line in render(result)
+
+
+def test_other_scorings_say_nothing_of_gates():
+    from headlab.importance.gates import ended
+
+    assert ended({"per_token": False, "seed": 0, "probes": 4}) is None
+    assert ended({"expected_open": "12", "target": 3, "steps": 5}) is None  # malformed

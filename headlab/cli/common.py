@@ -14,6 +14,7 @@ import typer
 
 from headlab._util.timing import busy
 from headlab._util.units import human_bytes, human_ms
+from headlab.importance import gates
 from headlab.runs.config import RunConfig
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ def summary(result: RunResult, out: Path) -> dict:
         "model_dir": str(out / "model") if (out / "model").exists() else None,
         "scores": str(out / "importance.csv") if (out / "importance.csv").exists() else None,
         "top_heads": _top_heads(result.importance, 5),
+        "gate_training": gates.ended(result.scoring_details),  # where gates ended, if any
         "heads_per_layer": [result.heads_per_layer.before, result.heads_per_layer.after],
         "kv_heads_per_layer": [result.kv_heads_per_layer.before,
                                result.kv_heads_per_layer.after],
@@ -225,6 +227,8 @@ def print_summary(summary: dict, json_mode: bool, quiet: bool) -> None:
     if summary.get("latency_others_load") is not None and (
             why := busy(summary["latency_others_load"])) is not None:
         console.print(f"latency: {why}")
+    if summary.get("gate_training"):
+        console.print(f"gate training: {summary['gate_training']}")
     if not pruned and summary["top_heads"]:
         console.print("top heads: " + ", ".join(f"L{layer}H{head} {v:.4g}"
                                                 for layer, head, v in summary["top_heads"]))

@@ -58,6 +58,20 @@ def sample(log_alpha: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (s * (HIGH - LOW) + LOW).clamp(0.0, 1.0)
 
 
+def ended(details: dict) -> str | None:
+    """Where a gate training ended against its target, in words, from the ``extra`` it
+    returned (read back from results.json's ``scoring_details``, so checked); None for
+    a scoring that trained no gates."""
+    end = [details.get(k) for k in ("expected_open", "target", "steps")]
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in end):
+        return None
+    met = details.get("target_met")
+    verdict = ("" if not isinstance(met, bool) else " (target met)" if met
+               else " (target missed; the top-scoring ones are kept all the same)")
+    return (f"{end[0]:.1f} {'groups' if details.get('unit') == 'kv-group' else 'heads'} "
+            f"expected open against a target of {end[1]:g} after {end[2]:g} steps{verdict}")
+
+
 def check_options(steps: int, lr: float, lagrange_lr: float | None = None) -> None:
     if steps < 1:
         raise UserError(f"--gate-steps must be at least 1 training step, got {steps}")

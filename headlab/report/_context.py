@@ -16,6 +16,7 @@ from typing import Any
 from markupsafe import Markup
 
 from headlab._util.units import human_bytes, human_ms
+from headlab.importance import gates
 from headlab.objectives import OBJECTIVES, Objective
 from headlab.results import RunResult
 
@@ -228,6 +229,9 @@ def run_facts(result: RunResult) -> dict[str, str]:
         ("created", result.created),
         ("versions", ", ".join(f"{k} {v}" for k, v in result.versions.items())),
     ]
+    trained = gates.ended(result.scoring_details)
+    if trained is not None:  # only where gates were trained
+        facts.insert(facts.index(("schedule", result.schedule)) + 1, ("gate training", trained))
     return {k: str(v) if v not in (None, "") else NOT_MEASURED for k, v in facts}
 
 

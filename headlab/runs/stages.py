@@ -149,6 +149,7 @@ class Stage:
                 calib_seq_len=scoring.input_ids.shape[1] if cfg.calib_samples else None,
                 separation=data_separation(cfg)),
             importance_normalisation=scores.normalisation,
+            scoring_details=scores.extra,
             config=cfg.to_dict(), created=now(), versions=versions(), **measured)
 
     def score_only(self, target: int | None = None) -> RunResult:
