@@ -1,19 +1,20 @@
 """Least-squares refits of a pruned layer's output projection (lsq).
 
 ``lsq`` refits the kept heads' W_O (E x H*D) and its bias so that the pruned layer's
-attention output matches the reference's (Kwon et al. 2022's layer-wise
-reconstruction, on the output projection):
+residual sum matches the reference's (Kwon et al. 2022's layer-wise reconstruction, on
+the output projection), and then the MLP's down projection likewise (`DownProjection`):
 
     X = [z, 1]   (N, H*D + 1)  the pruned layer's per-head outputs, computed on the
-                               hidden states the pruned model (its earlier layers
+                               hidden states x the pruned model (its earlier layers
                                already repaired) produces at that layer
-    Y            (N, E)        the reference's attention output at that layer on the
-                               reference's own hidden states
+    Y            (N, E)        the residual target x_ref + attn_ref(x_ref) - x
+                               (`headlab.recovery.layerwise`; the reference's attention
+                               output alone behind a post-norm)
     W = argmin ||X W - Y||^2 + lambda ||W - W0||^2,   W0 = [W_O^T; bias]
 
-Because Y comes from the reference's own stream, the fit also corrects the drift
-that earlier layers leave in the pruned stream. Kwon et al.'s own, cheaper variant,
-one scale per kept head, is ``rescale`` (`headlab.recovery.rescale`).
+So each layer's fit also corrects the drift that earlier layers leave in the pruned
+stream. Kwon et al.'s own, cheaper variant, one scale per kept head, is ``rescale``
+(`headlab.recovery.rescale`).
 
 X^T X, X^T Y and ||Y||^2 are summed in float64 over batches (memory O((H*D)^2 + H*D*E)
 per layer; at most 2048 rows of activations are held), the products taken in float32
