@@ -39,6 +39,7 @@ from headlab.bench.hooks import peak_bytes
 from headlab.errors import UserError
 from headlab.models.gpt2 import GPT2, GPT2Config
 from headlab.models.llama import Llama, LlamaConfig
+from headlab.runs.config import RunConfig
 
 NAMES = ["attention", "models", "hooks", "importance", "pruning", "generate"]
 
@@ -200,6 +201,10 @@ def test_recovery_tradeoff_table(tiny_run):
     assert "| minilm-l6 | 0.6 | 44 | " in page and "no cache" in page
     # rescale, Kwon et al.'s, on the same pruned model, held to no worse than no repair
     recovery = {r.name: r for r in results}["recovery"]
+    # the sizes are chosen as `headlab prune` chooses them by default, and it says so
+    d = json.loads((out / "recovery.json").read_text())
+    assert d["config"]["prune_method"] == RunConfig.method
+    assert f"method='{RunConfig.method}'" in recovery.method["pruning"]
     (t,) = [t for t in recovery.targets if t.figure == "minilm-l6.rescale_kept_over_none"]
     assert (t.target, t.op) == (1.0, "<=")
     assert math.isfinite(recovery.figures[t.figure].median)

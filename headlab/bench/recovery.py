@@ -2,13 +2,13 @@
 back, on the real bundled models, and what it costs against one michel scoring; and the
 trade-off table: quality, parameters, key/value cache and latency at each of ``keeps``.
 
-Each model is pruned by michel's iterative schedule (`prune_to_target`'s default method,
-not `headlab prune`'s, which is taylor), once, down to the smallest of ``keeps``; each
-size's plan is the one that schedule stopped there would choose
-(`ScheduleResult.plan_at`). Each pruned model is measured on held-out data as it
-is (``none``) and after ``method``; the targets are judged at ``keep``. The quality
-figures are not timings; the time ratio is one run of each on the same data, and the
-latency a median of interleaved rounds against the unpruned model."""
+Each model is pruned by `headlab prune`'s default method (taylor) in the iterative
+schedule, once, down to the smallest of ``keeps``; each size's plan is the one that
+schedule stopped there would choose (`ScheduleResult.plan_at`). Each pruned model is
+measured on held-out data as it is (``none``) and after ``method``; the targets are
+judged at ``keep``. The quality figures are not timings; the time ratio is one run of
+each on the same data, and the latency a median of interleaved rounds against the
+unpruned model."""
 
 from __future__ import annotations
 
@@ -17,15 +17,17 @@ from dataclasses import dataclass, field
 
 from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
+from headlab.runs.config import RunConfig
 
 __all__ = ["RecoverySizes", "bench_recovery"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class RecoverySizes:
-    """Each of ``runs`` (bundled model, sequence length, token budget, michel's options)
-    pruned to ``keep`` in steps of ``step``, then repaired by ``method``; ``targets``
-    bounds the loss kept after the repair as a fraction of the loss without it."""
+    """Each of ``runs`` (bundled model, sequence length, token budget, scoring options)
+    pruned by ``prune_method`` to ``keep`` in steps of ``step``, then repaired by
+    ``method``; ``targets`` bounds the loss kept after the repair as a fraction of the
+    loss without it."""
 
     runs: tuple[tuple[str, int, int, tuple[tuple[str, bool], ...]], ...] = (
         ("smollm2-135m", 128, 8192, ()), ("gemma3-270m", 128, 8192, ()),
@@ -33,8 +35,9 @@ class RecoverySizes:
     data: str | None = "enwiki"  # None: the bundled text
     keep: float = 0.6  # the targets' size; one of ``keeps``
     keeps: tuple[float, ...] = (0.8, 0.6, 0.4)  # the trade-off table's sizes
-    step: float = 0.1
+    step: float = RunConfig.step
     batch: int = 8
+    prune_method: str = RunConfig.method  # what `headlab prune` chooses heads with
     method: str = "lsq"
     targets: dict[str, float] = field(default_factory=lambda: {"smollm2-135m": 0.25,
                                                                "gemma3-270m": 0.25,
@@ -69,7 +72,8 @@ def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None) ->
     res = BenchResult.of_sizes("recovery", sizes)
     res.method = {
         "data": f"{describe(sizes.data)}; recovery fits on the scoring part only",
-        "pruning": f"headlab.prune_to_target(method='michel', keep={min(sizes.keeps)}, "
+        "pruning": f"headlab.prune_to_target(method='{sizes.prune_method}', "
+                   f"keep={min(sizes.keeps)}, "
                    f"step={sizes.step}, iterative); each of keeps {sizes.keeps} is the plan "
                    "that schedule stopped there chooses (ScheduleResult.plan_at), then "
                    "headlab.prune",
@@ -93,10 +97,10 @@ def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None) ->
         total = model.n_layers * model.n_original_heads
         n_keeps = {keep: heads_to_keep(total, keep=keep) for keep in sizes.keeps}
         schedule = prune_to_target(model, scoring, heldout, n_keep=min(n_keeps.values()),
-                                   step=sizes.step, batch_size=sizes.batch,
-                                   score_kwargs=score_kw)
+                                   method=sizes.prune_method, step=sizes.step,
+                                   batch_size=sizes.batch, score_kwargs=score_kw)
         t0 = time.perf_counter()
-        headlab.score(model, scoring, batch_size=sizes.batch, **score_kw)
+        headlab.score(model, scoring, method="michel", batch_size=sizes.batch, **score_kw)
         t_michel = time.perf_counter() - t0
         _repair_of_unpruned(res, name, model, scoring, heldout, sizes, device)
         metric = before.metric
