@@ -199,12 +199,12 @@ def test_recovery_tradeoff_table(tiny_run):
     assert rows[0]["latency_ms"] == rows[1]["latency_before_ms"]
     page = script("bench_tables").render(sorted(out.glob("*.json")))
     assert "| minilm-l6 | 0.6 | 44 | " in page and "no cache" in page
-    # rescale, Kwon et al.'s, on the same pruned model, held to no worse than no repair
     recovery = {r.name: r for r in results}["recovery"]
     # the sizes are chosen as `headlab prune` chooses them by default, and it says so
     d = json.loads((out / "recovery.json").read_text())
     assert d["config"]["prune_method"] == RunConfig.method
     assert f"method='{RunConfig.method}'" in recovery.method["pruning"]
+    # rescale, Kwon et al.'s, on the same pruned model, held to no worse than no repair
     (t,) = [t for t in recovery.targets if t.figure == "minilm-l6.rescale_kept_over_none"]
     assert (t.target, t.op) == (1.0, "<=")
     assert math.isfinite(recovery.figures[t.figure].median)

@@ -179,7 +179,8 @@ def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, met
                                  str(S), "--max-tokens", str(8 * S), "--batch-size", "4",
                                  "--recover", "none", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
-    details = json.loads((out / "results.json").read_text())["scoring_details"]
+    written = json.loads((out / "results.json").read_text())
+    details = written["scoring_details"]
     assert details["target"] == 3 and details["steps"] == steps
     assert details["target_met"] is met
     assert (abs(details["expected_open"] - 3) <= 0.06) is met
@@ -189,7 +190,7 @@ def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, met
     assert ("(target met)" if met else "(target missed") in line
     assert json.loads(r.stdout[r.stdout.index("{"):])["gate_training"] == line
     assert line in (out / "report.html").read_text()
-    result = RunResult.from_json(json.loads((out / "results.json").read_text()))
+    result = RunResult.from_json(written)
     assert result.scoring_details == details and line in render(result)
 
 
