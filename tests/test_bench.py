@@ -10,6 +10,7 @@ the table against the targets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -216,6 +217,8 @@ def test_quality_grid_has_every_method_at_every_keep_and_the_docs_render_it(tiny
     out, _ = tiny_run
     d = json.loads((out / "quality.json").read_text())
     sizes = PRESETS["tiny"]["quality"]
+    # measured in parts, for --resume; the parts' checkpoint goes once the run completes
+    assert list(d["checks"]["parts"]) == ["minilm-l6"] and not (out / "quality.parts").exists()
     g = d["checks"]["minilm-l6.grid"]
     assert g["keeps"] == list(sizes.keeps) and g["total_heads"] == 72
     assert g["heads_kept"] == [math.ceil(k * 72) for k in sizes.keeps]
@@ -503,6 +506,89 @@ def test_a_failing_benchmark_is_recorded_not_skipped(tmp_path, monkeypatch):
     d = json.loads((tmp_path / "attention.json").read_text())
     assert d["error"] == "RuntimeError: no such kernel"
     assert "NOT MEASURED" in (tmp_path / "summary.md").read_text()
+
+
+def test_an_interrupted_benchmark_resumes_from_the_parts_it_finished(tmp_path, monkeypatch):
+    """A benchmark in parts (quality, recovery) that fails in its second part keeps the
+    first for --resume, which measures only the second; the JSON holds both, in order, as
+    an uninterrupted run would, and the parts are removed once it completes. Without
+    --resume a run starts over; a resume with other sizes is refused."""
+    measured: list[str] = []
+    fail = {"b": True}
+
+    def part(res, key: str, value: float) -> None:
+        measured.append(key)
+        if fail.get(key):
+            raise RuntimeError("killed")
+        res.add(f"{key}.ratio", [value, value + 1], "x")
+        res.add_target(f"{key}.ratio", target=2.0, op="<=", what=f"{key} ratio")
+        res.info.append((f"{key}.ratio", key))
+        res.checks.setdefault("rows", []).append(key)
+        res.method[key] = f"how {key} is measured"
+
+    def two_parts(sizes, *, device, models, parts):
+        res = BenchResult("quality")
+        for key, value in (("a", 1.0), ("b", 3.0)):
+            parts.run(res, key, lambda key=key, value=value: part(res, key, value))
+        return res
+
+    monkeypatch.setitem(bench.BENCHMARKS, "quality", two_parts)
+
+    def run(resume: bool) -> dict:
+        with contextlib.suppress(UserError):  # the failed part's run says so in its JSON
+            run_benchmarks("quality", quick=True, device="cpu", out=tmp_path, preset="tiny",
+                           resume=resume)
+        return json.loads((tmp_path / "quality.json").read_text())
+
+    assert run(resume=False)["error"] == "RuntimeError: killed"
+    assert measured == ["a", "b"] and (tmp_path / "quality.parts").is_dir()
+    fail["b"] = False
+    d = run(resume=True)
+    assert measured == ["a", "b", "b"]  # a kept, b measured
+    assert d["error"] is None and not (tmp_path / "quality.parts").exists()
+    assert d["figures"]["a.ratio"]["samples"] == [1.0, 2.0]
+    assert d["figures"]["b.ratio"]["samples"] == [3.0, 4.0]
+    assert [(t["figure"], t["meets"]) for t in d["targets"]] == [("a.ratio", True),
+                                                                  ("b.ratio", False)]
+    assert [i["figure"] for i in d["info"]] == ["a.ratio", "b.ratio"]
+    assert d["checks"]["rows"] == ["a", "b"]  # a list both parts extend
+    assert set(d["method"]) == {"a", "b"} and list(d["checks"]["parts"]) == ["a", "b"]
+    assert all(p["date"] and p["seconds"] >= 0 for p in d["checks"]["parts"].values())
+    assert run(resume=True)["error"] is None  # nothing left to resume: all measured
+    assert measured == ["a", "b", "b", "a", "b"]
+
+    fail["b"] = True
+    run(resume=False)
+    fail["b"] = False
+    run(resume=False)  # starts over
+    assert measured[-4:] == ["a", "b", "a", "b"]  # a measured again
+    fail["b"] = True
+    run(resume=False)
+    other = replace(PRESETS["tiny"]["quality"], seeds=(7,))
+    monkeypatch.setitem(PRESETS["tiny"], "quality", other)
+    with pytest.raises(UserError, match="belongs to another run: sizes"):
+        run_benchmarks("quality", quick=True, device="cpu", out=tmp_path, preset="tiny",
+                       resume=True)
+
+
+def test_a_resumed_quality_benchmark_equals_the_run_it_continues(tmp_path, monkeypatch):
+    """Everything a quality part adds comes back from its checkpoint: a resume that
+    measures nothing writes what the run that measured it wrote."""
+    from headlab.bench import quality
+    from headlab.bench._parts import Parts
+
+    sizes = replace(PRESETS["tiny"]["quality"], runs=(("minilm-l6", 16, 64),),
+                    keeps=(0.6,), methods=("michel_unnormalised", "taylor"), seeds=(0,))
+    identity = {"sizes": repr(sizes)}
+    first = quality.bench_quality(sizes, parts=Parts(tmp_path, identity, resume=False))
+
+    def not_again(*args):
+        raise AssertionError("a finished part was measured again")
+
+    monkeypatch.setattr(quality, "_measure", not_again)
+    again = quality.bench_quality(sizes, parts=Parts(tmp_path, identity, resume=True))
+    assert again.to_json() == first.to_json()
+    assert list(first.checks["parts"]) == ["minilm-l6"]
 
 
 def test_bad_arguments_are_user_errors(tmp_path):

@@ -53,8 +53,16 @@ from headlab._util.timing import (
     others_since,
     pinned_threads,
 )
-from headlab.bench._common import BenchResult, Figure, Target, markdown_table, versions
+from headlab.bench._common import (
+    BenchResult,
+    Figure,
+    Target,
+    _jsonable,
+    markdown_table,
+    versions,
+)
 from headlab.bench._models import TINY_BERT, TINY_GPT2, TINY_LLAMA, ModelCache, ModelSpec
+from headlab.bench._parts import Parts
 from headlab.bench.attention import AttentionSizes, bench_attention
 from headlab.bench.generate import GenerateSizes, bench_generate
 from headlab.bench.hooks import HooksSizes, bench_hooks
@@ -92,6 +100,8 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "quality": bench_quality,
     "recovery": bench_recovery,
 }
+# the benchmarks measured in parts, one model each, which --resume continues
+RESUMABLE = ("quality", "recovery")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {
@@ -180,17 +190,31 @@ def bench_context(preset: str, device: str) -> dict[str, Any]:
             "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
+def _identity(name: str, sizes: Any, context: dict[str, Any]) -> dict[str, Any]:
+    """What a benchmark's parts must share to be resumed together: its sizes, preset,
+    device and library versions."""
+    return {"benchmark": name, "sizes": _jsonable(sizes.__dict__),
+            "preset": context["preset"], "device": context["device"],
+            # plain strings: torch's version is a str subclass the checkpoint cannot read
+            "versions": {k: str(v) for k, v in context["versions"].items()}}
+
+
 def run_one(name: str, bench: Callable[..., BenchResult], sizes: Any, *, device: str,
-            cache: ModelCache, context: dict[str, Any], path: Path) -> BenchResult:
+            cache: ModelCache, context: dict[str, Any], path: Path,
+            parts: Parts | None = None) -> BenchResult:
     """Run ``bench`` on ``sizes`` and write its JSON to ``path``: timed, with the machine
     before and after it and the CPU other processes took meanwhile. A failure is
-    recorded in the result (its ``error``), not raised."""
+    recorded in the result (its ``error``), not raised; with ``parts`` (a benchmark in
+    `RESUMABLE`), the parts it finished stay for ``--resume``, and go once it completes."""
     gc.collect()
     t0 = time.perf_counter()
     machine = machine_info(device)
     bench_start = cpu_sample()
     try:
-        result = bench(sizes, device=device, models=cache)
+        result = bench(sizes, device=device, models=cache,
+                       **({} if parts is None else {"parts": parts}))
+        if parts is not None:
+            parts.done()
     except Exception as exc:  # recorded, reported, and raised at the end of a run
         log.exception("benchmark %s failed", name)
         result = BenchResult(name, error=f"{type(exc).__name__}: {exc}")
@@ -203,14 +227,17 @@ def run_one(name: str, bench: Callable[..., BenchResult], sizes: Any, *, device:
 
 
 def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
-                   preset: str | None = None, threads: int | None = None) -> list[BenchResult]:
+                   preset: str | None = None, threads: int | None = None,
+                   resume: bool = False) -> list[BenchResult]:
     """Run one benchmark or ``"all"``; write ``out/<name>.json`` for each and
     ``out/summary.md``; print the Markdown table of targets.
 
     ``preset`` ("full", "quick", "tiny") overrides ``quick``; ``threads`` overrides the
     thread count (see `headlab._util.timing.pinned_threads`). A benchmark that fails is
     recorded as failed (its JSON holds the error) and the others still run; a UserError
-    naming the failures is raised at the end.
+    naming the failures is raised at the end. With ``resume``, the benchmarks in
+    `RESUMABLE` keep the parts an interrupted run of the same sizes finished
+    (`headlab.bench._parts`).
     """
     from headlab.errors import UserError
 
@@ -238,9 +265,11 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
             machine = machine_info(device)
             for name in names:
                 log.info("%s ...", name)
-                result = run_one(name, BENCHMARKS[name], PRESETS[preset][name],
-                                 device=device, cache=cache, context=context,
-                                 path=out / f"{name}.json")
+                sizes = PRESETS[preset][name]
+                parts = (Parts(out / f"{name}.parts", _identity(name, sizes, context),
+                               resume=resume) if name in RESUMABLE else None)
+                result = run_one(name, BENCHMARKS[name], sizes, device=device, cache=cache,
+                                 context=context, path=out / f"{name}.json", parts=parts)
                 loads.append(load_average())
                 results.append(result)
     finally:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
+from headlab.bench._parts import Parts, measure_part
 from headlab.importance import JOINT, TARGETED
 from headlab.importance.gates import DEFAULT_STEPS
 from headlab.runs.config import RunConfig
@@ -29,9 +30,10 @@ class QualitySizes:
     random scores, measured pruned and after ``recover``; the targets are judged at
     ``keep`` (one of ``keeps``)."""
 
-    # (bundled model, sequence length, token budget): real models only
-    runs: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 128, 4096),
-                                               ("gemma3-270m", 128, 4096),
+    # (bundled model, sequence length, token budget): real models only; the longest part
+    # first, so that a run split over sessions with --resume splits it least
+    runs: tuple[tuple[str, int, int], ...] = (("gemma3-270m", 128, 4096),
+                                               ("smollm2-135m", 128, 4096),
                                                ("minilm-l6", 128, 8192))
     data: str | None = "enwiki"  # None: the bundled text
     keeps: tuple[float, ...] = (0.8, 0.6, 0.4)
@@ -66,11 +68,11 @@ GATES_BAR = ("michel", "michel_unnormalised", "taylor")  # gates are held agains
 FLAP_REPAIR = "bias"  # FLAP's own bias compensation, `headlab.recover(method="bias")`
 
 
-def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> BenchResult:
+def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None,
+                  parts: Parts | None = None) -> BenchResult:
     """Held-out quality lost with each method vs random scores (``sizes.seeds``) at each keep,
-    pruned and repaired, real models; gate training and FLAP's calibration seconds."""
-    import headlab
-
+    pruned and repaired, real models; gate training and FLAP's calibration seconds. Each
+    model's grid, and each validation, is one of ``parts`` (`headlab.bench._parts`)."""
     if sizes.keep not in sizes.keeps:
         raise ValueError(f"the judged keep {sizes.keep} must be one of keeps {sizes.keeps}")
     res = BenchResult.of_sizes("quality", sizes)
@@ -102,19 +104,28 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None) -> B
                 f"unpruned model) + {sizes.recover} / flap's scoring + {FLAP_REPAIR} "
                 "(target <= 3)",
     }
-    for name, seq_len, max_tokens in sizes.runs:
-        model = headlab.load(name, device=device)
-        scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
-                                               max_tokens=max_tokens, batch_size=sizes.batch)
-        grid = _grid(model, scoring, heldout, sizes)
-        res.checks[f"{name}.grid"] = grid
-        res.checks[f"{name}.tokens"] = {"scoring": int(scoring.attention_mask.sum()),
-                                        "heldout": int(heldout.attention_mask.sum())}
-        _judge(res, name, grid, model.kind == "causal-lm",
-               f"S={seq_len}, {max_tokens} tokens", sizes)
-    for name, seq_len, max_tokens in sizes.validate:
-        _validation(res, name, seq_len, max_tokens, sizes, device)
+    for run in sizes.runs:
+        measure_part(parts, res, run[0], lambda run=run: _measure(res, sizes, device, *run))
+    for run in sizes.validate:
+        measure_part(parts, res, f"validation:{run[0]}",
+                     lambda run=run: _validation(res, *run, sizes, device))
     return res
+
+
+def _measure(res: BenchResult, sizes: QualitySizes, device: str, name: str, seq_len: int,
+             max_tokens: int) -> None:
+    """One model of the benchmark: its grid, token counts, figures and targets."""
+    import headlab
+
+    model = headlab.load(name, device=device)
+    scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
+                                           max_tokens=max_tokens, batch_size=sizes.batch)
+    grid = _grid(model, scoring, heldout, sizes)
+    res.checks[f"{name}.grid"] = grid
+    res.checks[f"{name}.tokens"] = {"scoring": int(scoring.attention_mask.sum()),
+                                    "heldout": int(heldout.attention_mask.sum())}
+    _judge(res, name, grid, model.kind == "causal-lm", f"S={seq_len}, {max_tokens} tokens",
+           sizes)
 
 
 def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
+from headlab.bench._parts import Parts, measure_part
 from headlab.runs.config import RunConfig
 
 __all__ = ["RecoverySizes", "bench_recovery"]
@@ -61,14 +62,12 @@ class RecoverySizes:
             raise ValueError(f"keep {self.keep} must be one of keeps {self.keeps}")
 
 
-def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None) -> BenchResult:
+def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None,
+                   parts: Parts | None = None) -> BenchResult:
     """Loss kept after ``sizes.method`` / loss without repair, its time / michel's, that
     the repair of an unpruned model changes no output, and the trade-off table
-    (``checks["tradeoff"]``: one row per model and size, the unpruned model's first)."""
-    import headlab
-    from headlab.schedule import prune_to_target
-    from headlab.selection import heads_to_keep
-
+    (``checks["tradeoff"]``: one row per model and size, the unpruned model's first).
+    Each model is one of ``parts`` (`headlab.bench._parts`)."""
     res = BenchResult.of_sizes("recovery", sizes)
     res.method = {
         "data": f"{describe(sizes.data)}; recovery fits on the scoring part only",
@@ -88,54 +87,64 @@ def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None) ->
                     f"unpruned model's) of the model after {sizes.method}",
     }
     res.checks["tradeoff"] = []
-    for name, seq_len, max_tokens, options in sizes.runs:
-        model = headlab.load(name, device=device)
-        scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
-                                               max_tokens=max_tokens, batch_size=sizes.batch)
-        score_kw = dict(options)
-        before = headlab.evaluate(model, heldout, batch_size=sizes.batch)
-        total = model.n_layers * model.n_original_heads
-        n_keeps = {keep: heads_to_keep(total, keep=keep) for keep in sizes.keeps}
-        schedule = prune_to_target(model, scoring, heldout, n_keep=min(n_keeps.values()),
-                                   method=sizes.prune_method, step=sizes.step,
-                                   batch_size=sizes.batch, score_kwargs=score_kw)
-        t0 = time.perf_counter()
-        headlab.score(model, scoring, method="michel", batch_size=sizes.batch, **score_kw)
-        t_michel = time.perf_counter() - t0
-        _repair_of_unpruned(res, name, model, scoring, heldout, sizes, device)
-        metric = before.metric
-        res.add(f"{name}.{metric}_before", [before.value], metric)
-        rows = [_row(name, 1.0, model, before.value, before.value, None, sizes)]
-        for keep in sorted(sizes.keeps, reverse=True):
-            measured = _prune_and_repair(model, schedule.plan_at(n_keeps[keep]), scoring,
-                                         heldout, sizes)
-            rows.append(_row(name, keep, measured.model, measured.pruned, measured.repaired,
-                             measured.latency, sizes))
-            if keep != sizes.keep:
-                continue
-            sign = -1 if before.higher_is_better else 1
-            lost_none = sign * (measured.pruned - before.value)
-            lost_after = sign * (measured.repaired - before.value)
-            res.checks[f"{name}.layers"] = [e.to_json() for e in measured.report.layers]
-            res.add(f"{name}.{metric}_pruned", [measured.pruned], metric)
-            res.add(f"{name}.{metric}_recovered", [measured.repaired], metric)
-            res.add(f"{name}.kept_over_none", [lost_after / lost_none], "x")
-            res.add(f"{name}.recover_over_michel", [measured.seconds / t_michel], "x")
-            what = (f"{name} {metric} lost at keep {keep} after {sizes.method} / without "
-                    f"repair (S={seq_len}, {max_tokens} tokens)")
-            res.add_target(f"{name}.kept_over_none", target=sizes.targets.get(name, 0.5),
-                           op="<=", what=what)
-            res.add_target(f"{name}.recover_over_michel", target=1.0, op="<=",
-                           what=f"{name} {sizes.method} time / michel scoring time")
-            for other, bound in sizes.also.items():
-                _other_repair(res, name, other, bound, model, schedule.plan_at(n_keeps[keep]),
-                              scoring, heldout, sizes, before.value, lost_none, sign)
-            if sizes.distill_tokens and model.kind == "causal-lm":
-                _distill_after(res, name, measured.model, model, heldout, sizes, seq_len,
-                               before, lost_none, sign)
-        rows[0]["latency_ms"] = rows[1]["latency_before_ms"]
-        res.checks["tradeoff"] += [{**row, "metric": metric} for row in rows]
+    for run in sizes.runs:
+        measure_part(parts, res, run[0], lambda run=run: _measure(res, sizes, device, *run))
     return res
+
+
+def _measure(res: BenchResult, sizes: RecoverySizes, device: str, name: str, seq_len: int,
+             max_tokens: int, options) -> None:
+    """One model of the benchmark: its figures, targets, checks and trade-off rows."""
+    import headlab
+    from headlab.schedule import prune_to_target
+    from headlab.selection import heads_to_keep
+
+    model = headlab.load(name, device=device)
+    scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
+                                           max_tokens=max_tokens, batch_size=sizes.batch)
+    score_kw = dict(options)
+    before = headlab.evaluate(model, heldout, batch_size=sizes.batch)
+    total = model.n_layers * model.n_original_heads
+    n_keeps = {keep: heads_to_keep(total, keep=keep) for keep in sizes.keeps}
+    schedule = prune_to_target(model, scoring, heldout, n_keep=min(n_keeps.values()),
+                               method=sizes.prune_method, step=sizes.step,
+                               batch_size=sizes.batch, score_kwargs=score_kw)
+    t0 = time.perf_counter()
+    headlab.score(model, scoring, method="michel", batch_size=sizes.batch, **score_kw)
+    t_michel = time.perf_counter() - t0
+    _repair_of_unpruned(res, name, model, scoring, heldout, sizes, device)
+    metric = before.metric
+    res.add(f"{name}.{metric}_before", [before.value], metric)
+    rows = [_row(name, 1.0, model, before.value, before.value, None, sizes)]
+    for keep in sorted(sizes.keeps, reverse=True):
+        measured = _prune_and_repair(model, schedule.plan_at(n_keeps[keep]), scoring,
+                                     heldout, sizes)
+        rows.append(_row(name, keep, measured.model, measured.pruned, measured.repaired,
+                         measured.latency, sizes))
+        if keep != sizes.keep:
+            continue
+        sign = -1 if before.higher_is_better else 1
+        lost_none = sign * (measured.pruned - before.value)
+        lost_after = sign * (measured.repaired - before.value)
+        res.checks[f"{name}.layers"] = [e.to_json() for e in measured.report.layers]
+        res.add(f"{name}.{metric}_pruned", [measured.pruned], metric)
+        res.add(f"{name}.{metric}_recovered", [measured.repaired], metric)
+        res.add(f"{name}.kept_over_none", [lost_after / lost_none], "x")
+        res.add(f"{name}.recover_over_michel", [measured.seconds / t_michel], "x")
+        what = (f"{name} {metric} lost at keep {keep} after {sizes.method} / without "
+                f"repair (S={seq_len}, {max_tokens} tokens)")
+        res.add_target(f"{name}.kept_over_none", target=sizes.targets.get(name, 0.5),
+                       op="<=", what=what)
+        res.add_target(f"{name}.recover_over_michel", target=1.0, op="<=",
+                       what=f"{name} {sizes.method} time / michel scoring time")
+        for other, bound in sizes.also.items():
+            _other_repair(res, name, other, bound, model, schedule.plan_at(n_keeps[keep]),
+                          scoring, heldout, sizes, before.value, lost_none, sign)
+        if sizes.distill_tokens and model.kind == "causal-lm":
+            _distill_after(res, name, measured.model, model, heldout, sizes, seq_len,
+                           before, lost_none, sign)
+    rows[0]["latency_ms"] = rows[1]["latency_before_ms"]
+    res.checks["tradeoff"] += [{**row, "metric": metric} for row in rows]
 
 
 @dataclass

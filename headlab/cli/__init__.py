@@ -79,6 +79,9 @@ def bench(
         help="Small sizes: minutes, where the full sizes take hours on two cores.")] = False,
     device: Annotated[opt.Device, typer.Option()] = opt.Device.cpu,
     out: Annotated[Path, typer.Option(help="Where the JSON files go.")] = Path("reports/bench"),
+    resume: Annotated[bool, typer.Option(
+        help="quality and recovery: keep the models an interrupted run of the same sizes "
+             "finished (OUT/NAME.parts) and measure the rest.")] = False,
 ) -> None:
     """Speed and memory figures, each as a ratio to its reference measured in the same run."""
     setup(False, False)
@@ -86,7 +89,7 @@ def bench(
     def body():
         from headlab.bench import run_benchmarks
 
-        run_benchmarks(which, quick=quick, device=device.value, out=out)
+        run_benchmarks(which, quick=quick, device=device.value, out=out, resume=resume)
 
     guard(body)
 
