@@ -48,19 +48,18 @@ class Parts:
         ``measure()`` (which adds to ``res``) and keep what it added."""
         saved = self._checkpoint.get(key)
         if saved is not None:
-            log.info("%s: kept from the run of %s (%.0f s)", key, saved["when"]["date"],
-                     saved["when"]["seconds"])
+            when = saved["checks"]["parts"][key]
+            log.info("%s: kept from the run of %s (%.0f s)", key, when["date"],
+                     when["seconds"])
             _restore(res, saved)
             return
         before = _State.of(res)
         t0 = time.perf_counter()
         measure()
-        when = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-                "seconds": round(time.perf_counter() - t0, 2)}
-        res.checks.setdefault("parts", {})[key] = when
-        part = before.added(res)
-        part["when"] = when
-        self._checkpoint.put(key, part)
+        res.checks.setdefault("parts", {})[key] = {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "seconds": round(time.perf_counter() - t0, 2)}
+        self._checkpoint.put(key, before.added(res))
 
     def done(self) -> None:
         """The benchmark completed: its parts are in its JSON; remove the checkpoint."""
