@@ -571,6 +571,33 @@ def test_an_interrupted_benchmark_resumes_from_the_parts_it_finished(tmp_path, m
                        resume=True)
 
 
+def test_an_interrupted_bench_command_says_how_to_resume(tmp_path, monkeypatch):
+    """Ctrl-C after a part is kept: the command names where and the command that continues
+    (exit 130); before any part, nothing is said to be kept."""
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+
+    def interrupted(sizes, *, device, models, parts):
+        res = BenchResult("quality")
+        parts.run(res, "a", lambda: res.add("a.ratio", [1.0], "x"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(bench.BENCHMARKS, "quality", interrupted)
+    monkeypatch.setitem(PRESETS["full"], "quality", PRESETS["tiny"]["quality"])
+    r = CliRunner().invoke(app, ["bench", "quality", "--out", str(tmp_path)])
+    assert r.exit_code == 130
+    assert (f"the models measured are kept in {tmp_path / 'quality.parts'}; continue with "
+            f"headlab bench quality --resume --out {tmp_path}") in r.output
+
+    def at_once(sizes, *, device, models, parts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(bench.BENCHMARKS, "quality", at_once)
+    r = CliRunner().invoke(app, ["bench", "quality", "--out", str(tmp_path / "new")])
+    assert r.exit_code == 130 and "kept in" not in r.output
+
+
 def test_a_resumed_quality_benchmark_equals_the_run_it_continues(tmp_path, monkeypatch):
     """Everything a quality part adds comes back from its checkpoint: a resume that
     measures nothing writes what the run that measured it wrote."""

@@ -89,7 +89,16 @@ def bench(
     def body():
         from headlab.bench import run_benchmarks
 
-        run_benchmarks(which, quick=quick, device=device.value, out=out, resume=resume)
+        try:
+            run_benchmarks(which, quick=quick, device=device.value, out=out, resume=resume)
+        except KeyboardInterrupt:
+            kept = sorted({p.parent for p in out.glob("*.parts/checkpoint*.pt")})
+            if not kept:
+                raise
+            typer.echo(f"interrupted: the models measured are kept in "
+                       f"{', '.join(map(str, kept))}; continue with headlab bench {which} "
+                       f"--resume --out {out}", err=True)
+            raise typer.Exit(130) from None
 
     guard(body)
 
