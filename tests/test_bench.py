@@ -597,6 +597,13 @@ def test_an_interrupted_bench_command_says_how_to_resume(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["bench", "quality", "--out", str(tmp_path / "new")])
     assert r.exit_code == 130 and "kept in" not in r.output
 
+    # another benchmark interrupted in the same OUT: quality's parts are not its to resume
+    monkeypatch.setitem(bench.BENCHMARKS, "hooks", lambda *a, **k: at_once(None, device=None,
+                                                                            models=None,
+                                                                            parts=None))
+    r = CliRunner().invoke(app, ["bench", "hooks", "--out", str(tmp_path)])
+    assert r.exit_code == 130 and "kept in" not in r.output
+
 
 def test_a_resumed_quality_benchmark_equals_the_run_it_continues(tmp_path, monkeypatch):
     """Everything a quality part adds comes back from its checkpoint: a resume that

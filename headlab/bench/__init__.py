@@ -103,6 +103,18 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
 # the benchmarks measured in parts, one model each, which --resume continues
 RESUMABLE = ("quality", "recovery")
 
+
+def parts_dir(out: Path, name: str) -> Path:
+    """Where benchmark ``name`` keeps its finished parts (`headlab.bench._parts`)."""
+    return Path(out) / f"{name}.parts"
+
+
+def kept_parts(out: Path, which: str) -> list[Path]:
+    """The parts folders under ``out`` that hold a checkpoint of the benchmarks ``which``
+    runs (a name or ``all``): what ``--resume`` would continue."""
+    names = RESUMABLE if which == "all" else [n for n in RESUMABLE if n == which]
+    return [parts_dir(out, n) for n in names if any(parts_dir(out, n).glob("checkpoint*.pt"))]
+
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {
         "attention": AttentionSizes(),
@@ -266,7 +278,7 @@ def run_benchmarks(which: str, *, quick: bool, device: str, out: Path,
             for name in names:
                 log.info("%s ...", name)
                 sizes = PRESETS[preset][name]
-                parts = (Parts(out / f"{name}.parts", _identity(name, sizes, context),
+                parts = (Parts(parts_dir(out, name), _identity(name, sizes, context),
                                resume=resume) if name in RESUMABLE else None)
                 result = run_one(name, BENCHMARKS[name], sizes, device=device, cache=cache,
                                  context=context, path=out / f"{name}.json", parts=parts)

@@ -87,12 +87,12 @@ def bench(
     setup(False, False)
 
     def body():
-        from headlab.bench import run_benchmarks
+        from headlab.bench import kept_parts, run_benchmarks
 
         try:
             run_benchmarks(which, quick=quick, device=device.value, out=out, resume=resume)
         except KeyboardInterrupt:
-            kept = sorted({p.parent for p in out.glob("*.parts/checkpoint*.pt")})
+            kept = kept_parts(out, which)
             if not kept:
                 raise
             typer.echo(f"interrupted: the models measured are kept in "
