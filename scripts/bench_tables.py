@@ -2,8 +2,10 @@
 ``<!-- bench:start -->`` and ``<!-- bench:end -->``: one table per benchmark, under a
 line that says where and when the JSON was measured; the README's trade-off table
 (``bench recovery``'s) between ``<!-- tradeoff:start -->`` and ``<!-- tradeoff:end -->``;
-and docs/kv-cache.md's long-context tables (``bench generate``'s) between
-``<!-- kvcache:start -->`` and ``<!-- kvcache:end -->``.
+docs/kv-cache.md's long-context tables (``bench generate``'s) between
+``<!-- kvcache:start -->`` and ``<!-- kvcache:end -->``; and docs/prune-and-repair.md's
+table of importance methods (``bench quality``'s grids) between
+``<!-- methods:start -->`` and ``<!-- methods:end -->``.
 Nothing in them is typed by hand.
 
     python scripts/bench_tables.py            # rewrite the tables
@@ -30,6 +32,11 @@ from headlab.bench._common import against  # noqa: E402
 MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
 TRADEOFF_MARKERS = ("<!-- tradeoff:start -->", "<!-- tradeoff:end -->")
 KV_MARKERS = ("<!-- kvcache:start -->", "<!-- kvcache:end -->")
+METHOD_MARKERS = ("<!-- methods:start -->", "<!-- methods:end -->")
+# bench quality's rows in docs/prune-and-repair.md's table of methods, as its columns name them
+METHOD_COLUMNS = {"michel_unnormalised": "michel `--no-normalize`", "michel": "michel",
+                  "taylor": "taylor (default)", "gates": "gates", "flap": "flap",
+                  "random": "random, 3 seeds"}
 
 
 def _num(x: float | None) -> str:
@@ -55,6 +62,11 @@ def _setting(d: dict) -> str:
         f"headlab {v.get('headlab')}, torch {v.get('torch')}, "
         f"transformers {v.get('transformers')}, Python {v.get('python')}",
     ]
+    kept = (d.get("checks") or {}).get("parts") or {}
+    if kept:  # a run resumed with --resume: its parts' own dates and seconds
+        dates = sorted(p["date"] for p in kept.values())
+        parts.append(f"measured in {len(kept)} parts from {dates[0]} to {dates[-1]}, "
+                     f"{sum(p['seconds'] for p in kept.values()):.0f} s in all")
     if load:
         parts.append(f"1-minute load average {load[0]} before"
                      + (f", {after[0]} after" if after else ""))
@@ -231,6 +243,49 @@ def _kv_cache(d: dict) -> list[str]:
     return rows
 
 
+def _quality(x: float, metric: str) -> str:
+    """A perplexity to a tenth (whole from 100), a fidelity to a thousandth."""
+    if metric != "perplexity":
+        return f"{x:.3f}"
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _methods(d: dict) -> list[str]:
+    """bench quality's grids as one table: per model and keep, each method's held-out
+    quality pruned -> after lsq (FLAP's also after its bias), the best after lsq in bold."""
+    grids = [(k.removesuffix(".grid"), g) for k, g in d.get("checks", {}).items()
+             if k.endswith(".grid")]
+    if not grids:
+        return []
+    rows = ["| model (as it came) | keep (heads) | " + " | ".join(METHOD_COLUMNS.values())
+            + " |", "|---|---|" + "---|" * len(METHOD_COLUMNS)]
+    for model, g in grids:
+        q = {(r["method"], r["repair"]): r["quality"] for r in g["rows"]}
+        metric = g["metric"]
+        better = max if metric != "perplexity" else min
+        for i, (keep, heads) in enumerate(zip(g["keeps"], g["heads_kept"], strict=True)):
+            best = better(q[m, "lsq"][i] for m in METHOD_COLUMNS)
+            cells = []
+            for m in METHOD_COLUMNS:
+                after = _quality(q[m, "lsq"][i], metric)
+                after = f"**{after}**" if q[m, "lsq"][i] == best else after
+                bias = f" (bias {_quality(q[m, 'bias'][i], metric)})" if (m, "bias") in q else ""
+                cells.append(f"{_quality(q[m, 'none'][i], metric)} → {after}{bias}")
+            rows.append(f"| {model} ({metric} {_quality(g['before'], metric)}) | "
+                        f"{keep:g} ({heads}) | " + " | ".join(cells) + " |")
+    return rows
+
+
+def render_methods(paths: list[Path]) -> str:
+    """docs/prune-and-repair.md's block (markers included): quality.json's grids under
+    the line that says where and when they were measured."""
+    found = [json.loads(Path(p).read_text()) for p in paths if Path(p).name == "quality.json"]
+    rows = _methods(found[0]) if found else []
+    body = (f"{_setting(found[0])}\n\n" + "\n".join(rows) if rows
+            else "No methods compared (`headlab bench quality` writes them).")
+    return f"{METHOD_MARKERS[0]}\n{body}\n{METHOD_MARKERS[1]}"
+
+
 def render_kv_cache(paths: list[Path]) -> str:
     """docs/kv-cache.md's block (markers included): generate.json's long-context tables
     under the line that says where and when they were measured."""
@@ -255,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the page holding the trade-off table")
     parser.add_argument("--kv-cache", default=str(ROOT / "docs" / "kv-cache.md"),
                         help="the page holding the long-context tables")
+    parser.add_argument("--methods", default=str(ROOT / "docs" / "prune-and-repair.md"),
+                        help="the page holding the table of importance methods")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if the tables are stale")
     args = parser.parse_intermixed_args(argv)
@@ -269,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     kv_cache = update(Path(args.kv_cache), lambda t: current_block(t, KV_MARKERS),
                       render_kv_cache(jsons), check=args.check, what="long-context tables",
                       markers=" and ".join(KV_MARKERS), script="scripts/bench_tables.py")
-    return max(tables, tradeoff, kv_cache)
+    methods = update(Path(args.methods), lambda t: current_block(t, METHOD_MARKERS),
+                     render_methods(jsons), check=args.check, what="table of methods",
+                     markers=" and ".join(METHOD_MARKERS), script="scripts/bench_tables.py")
+    return max(tables, tradeoff, kv_cache, methods)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -155,21 +155,6 @@ def test_each_benchmark_has_its_targets(tiny_run):
                                    "minilm-l6.rescale_kept_over_none"}
 
 
-def test_method_choice_script_writes_the_quality_bench_at_one_keep(tmp_path):
-    """scripts/method_choice.py, the run behind the docs' choice of the default method,
-    writes one bench JSON per model with every method judged at keep 0.6."""
-    choice = script("method_choice")
-    (path,) = choice.run(tmp_path, ["minilm-l6"], seq_len=32, tokens=256,
-                         sizes=replace(choice.SIZES, gate_steps=3))
-    assert path == tmp_path / "quality-minilm-l6.json"
-    d = json.loads(path.read_text())
-    assert d["preset"] == "method-choice" and d["error"] is None
-    assert d["config"]["keeps"] == [0.6] and d["config"]["runs"] == [["minilm-l6", 32, 256]]
-    for method in ("michel", "taylor", "gates", "flap"):
-        assert math.isfinite(d["figures"][f"minilm-l6.{method}_over_random"]["median"])
-    assert d["machine"]["torch_threads"] >= 1 and "load_average_after" in d["machine"]
-
-
 def test_schedule_study_judges_each_variant_on_calibration_windows_it_did_not_score():
     """scripts/schedule_study.py, behind the docs' tables of schedules and probes and of
     gate training: one row per variant, the iterative one re-scoring at each step, gates
@@ -623,6 +608,13 @@ def test_a_resumed_quality_benchmark_equals_the_run_it_continues(tmp_path, monke
     again = quality.bench_quality(sizes, parts=Parts(tmp_path, identity, resume=True))
     assert again.to_json() == first.to_json()
     assert list(first.checks["parts"]) == ["minilm-l6"]
+    # a part keeps its measurements, not its verdicts: a kept part meets the bars of now
+    monkeypatch.setattr(quality, "QUALITY_TARGETED", "taylor")
+    judged = quality.bench_quality(sizes, parts=Parts(tmp_path, identity, resume=True))
+    assert {t.figure for t in judged.targets} - {t.figure for t in first.targets} == {
+        "minilm-l6.taylor_over_random"}
+    assert "minilm-l6.michel_unnormalised_over_random" in {f for f, _ in judged.info}
+    assert judged.checks == first.checks
 
 
 def test_bad_arguments_are_user_errors(tmp_path):

@@ -200,6 +200,10 @@ def test_benchmark_tables_are_the_committed_jsons():
     kv_cache = (ROOT / "docs" / "kv-cache.md").read_text()
     assert tables.current_block(kv_cache, tables.KV_MARKERS) == tables.render_kv_cache(
         jsons), "docs/kv-cache.md's tables are stale: run python scripts/bench_tables.py"
+    methods = (ROOT / "docs" / "prune-and-repair.md").read_text()
+    assert tables.current_block(methods, tables.METHOD_MARKERS) == tables.render_methods(
+        jsons), "docs/prune-and-repair.md's table of methods is stale: run " \
+        "python scripts/bench_tables.py"
 
 
 def test_bench_tables_script_rewrites_and_checks(tmp_path):
@@ -212,13 +216,18 @@ def test_bench_tables_script_rewrites_and_checks(tmp_path):
     jsons = sorted((ROOT / "reports" / "bench").glob("*.json"))
     kv_cache = tmp_path / "kv-cache.md"
     kv_cache.write_text("{}\nold\n{}\nend\n".format(*tables.KV_MARKERS))
-    args = ["--readme", str(readme), "--kv-cache", str(kv_cache), *map(str, jsons)]
+    methods = tmp_path / "prune-and-repair.md"
+    methods.write_text("{}\nold\n{}\n".format(*tables.METHOD_MARKERS))
+    args = ["--readme", str(readme), "--kv-cache", str(kv_cache), "--methods", str(methods),
+            *map(str, jsons)]
     assert tables.main([str(page), *args]) == 0
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("\nafter\n")
     assert tables.current_block(text) == tables.render(jsons)
     assert readme.read_text() == f"intro\n{tables.render_tradeoff(jsons)}\n"
     assert kv_cache.read_text() == f"{tables.render_kv_cache(jsons)}\nend\n"
+    assert methods.read_text() == f"{tables.render_methods(jsons)}\n"
+    assert "**" in methods.read_text()  # quality.json's grids: the best after lsq marked
     assert tables.main([str(page), "--check", *args]) == 0
     page.write_text(text.replace("| yes |", "| no |", 1).replace("| **no** |", "| x |", 1))
     assert tables.main([str(page), "--check", *args]) == 1
@@ -267,9 +276,9 @@ def test_interpretability_example_is_no_longer_than_transformerlens():
 
 
 def test_the_documented_default_method_is_the_runs_and_its_evidence_is_committed():
-    """The importance-method table marks one default, the one a run uses, and the
-    figures that chose it are the committed method-choice runs', measured on the
-    schedule a run uses."""
+    """The importance-method table marks one default, the one a run uses; the table of
+    methods that chose it is quality.json's (test_benchmark_tables_are_the_committed_jsons),
+    measured on the schedule a run uses, with the default's column the run's method."""
     import json
 
     from headlab.runs.config import RunConfig
@@ -277,21 +286,11 @@ def test_the_documented_default_method_is_the_runs_and_its_evidence_is_committed
     page = (ROOT / "docs" / "prune-and-repair.md").read_text()
     marked = re.findall(r"^\| `(\w+)` \(default\) \|", page, flags=re.M)
     assert marked == [RunConfig.method]
-
-    def documented(row: str) -> list[str]:  # the michel and taylor cells of a table row
-        (line,) = [ln for ln in page.splitlines() if ln.startswith(f"| {row} |")]
-        return [c.strip().strip("*") for c in line.split("|")[2:4]]
-
-    for model, label, cells in (
-            ("smollm2-135m", "SmolLM2-135M", ("83.8", "40.8", "47.4", "38.2")),
-            ("gemma3-270m", "Gemma-3-270M", ("131", "199", "44.6", "46.9"))):
-        path = ROOT / "reports" / "bench" / "method-choice" / f"quality-{model}.json"
-        run = json.loads(path.read_text())
-        assert run["config"]["step"] == RunConfig.step, "chosen on the schedule a run uses"
-        grid = run["checks"][f"{model}.grid"]
-        got = {(r["method"], r["repair"]): r["quality"][0] for r in grid["rows"]}
-        figures = [got["michel", "none"], got["taylor", "none"], got["michel", "lsq"],
-                   got["taylor", "lsq"]]
-        assert [f"{v:.3g}" for v in figures] == list(cells), model
-        pruned = f"{label} ({grid['before']:.1f}), pruned"  # the page's table shows them
-        assert documented(pruned) + documented(f"{label}, after lsq") == list(cells), label
+    run = json.loads((ROOT / "reports" / "bench" / "quality.json").read_text())
+    assert run["config"]["step"] == RunConfig.step, "chosen on the schedule a run uses"
+    columns = script("bench_tables").METHOD_COLUMNS
+    assert [m for m, name in columns.items() if name.endswith("(default)")] == [
+        RunConfig.method]
+    for key, grid in run["checks"].items():
+        if key.endswith(".grid"):
+            assert {r["method"] for r in grid["rows"]} == set(columns), key

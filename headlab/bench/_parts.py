@@ -9,7 +9,9 @@ library versions). ``headlab bench NAME --resume`` restores the parts found ther
 order, and measures only the others; a run without ``--resume`` starts over. The
 checkpoint is removed once the benchmark completes. Every ratio a benchmark judges is
 taken within one part, so parts measured on different days still compare like with like;
-``checks["parts"]`` says when each part ran and how long it took.
+``checks["parts"]`` says when each part ran and how long it took. A benchmark whose parts
+keep their raw measurements in checks (``quality``'s grids) judges them after the parts,
+so a kept part is held to the bars as they are now.
 """
 
 from __future__ import annotations
