@@ -12,7 +12,8 @@ of the sample judges.
 Each variant is a schedule, a step and a number of taylor's probes, written
 ``one-shot:0.1:4`` or ``iterative:0.1:4``, or gates trained for a number of steps at a
 learning rate, the multipliers at their own if given: ``gates:100:0.1`` or
-``gates:100:0.1:1.0`` (``--variants`` takes several, comma-separated). Gates keep the heads
+``gates:100:0.1:1.0``, or held on the target by projection: ``gates:100:0.1:projection``
+(``--variants`` takes several, comma-separated). Gates keep the heads
 whose gates end most open, once (`headlab.select`), and their row says where the expected
 number of open gates ended. Run it on an idle machine without OMP_WAIT_POLICY=PASSIVE, as
 the benchmarks are.
@@ -56,10 +57,12 @@ def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: i
         kind, *options = variant.split(":")
         t0 = time.perf_counter()
         if kind == "gates":
-            steps, lr, *lagrange = options
+            steps, lr, *rest = options
+            budget = {"gate_budget": "projection"} if rest == ["projection"] else {
+                "gate_lagrange_lr": float(rest[0]) if rest else None}
             scores = headlab.score(model, scoring, method="gates", batch_size=batch_size,
                                    target=n_keep, gate_steps=int(steps), gate_lr=float(lr),
-                                   gate_lagrange_lr=float(lagrange[0]) if lagrange else None)
+                                   **budget)
             plan, scorings = headlab.select(scores, n_keep), 1
             trained = {"expected_open": scores.extra["expected_open"]}
         else:

@@ -294,3 +294,26 @@ def test_the_documented_default_method_is_the_runs_and_its_evidence_is_committed
     for key, grid in run["checks"].items():
         if key.endswith(".grid"):
             assert {r["method"] for r in grid["rows"]} == set(columns), key
+
+
+def test_the_gate_budget_table_is_the_committed_study():
+    """docs/prune-and-repair.md's table of `--gate-budget` holds, row for row, the
+    committed scripts/schedule_study.py runs it names."""
+    import json
+
+    page = (ROOT / "docs" / "prune-and-repair.md").read_text()
+    start, end = "<!-- gates-budget:start -->", "<!-- gates-budget:end -->"
+    lines = page[page.index(start):page.index(end)].splitlines()
+    runs = sorted((ROOT / "reports" / "bench" / "schedule-study").glob("gates-*.json"))
+    assert [p.stem for p in runs] == ["gates-gemma3-270m", "gates-smollm2-135m"]
+    rows = [ln for ln in lines if ln.startswith("| ") and "---" not in ln][1:]
+    studied = [(run, r) for run in (json.loads(p.read_text()) for p in runs)
+               for r in run["rows"]]
+    assert len(rows) == len(studied)
+    for line, (run, r) in zip(rows, studied, strict=True):
+        budget = "projection" if r["variant"].endswith(":projection") else "lagrangian"
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1].startswith(f"`{budget}`"), line
+        assert cells[2].startswith(f"{r['expected_open']:.1f} ("), line
+        assert cells[3:5] == [f"{r['pruned']:.1f}", f"{r['lsq']:.1f}"], line
+        assert run["keep"] == 0.6 and run["score_tokens"] == 4096, run["model"]

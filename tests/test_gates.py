@@ -3,9 +3,10 @@ CoFi's Lagrangian).
 
 Invariants: the hard-concrete gate's P(open) is the fraction of its samples that are
 not 0; with a target of every head the gates stay open and selection keeps all; the
-Lagrangian drives the expected number of open gates to the target; a model whose
-output one head alone carries keeps that head at every target. Equivalence: one gate
-per GQA group scores every head of a group alike.
+Lagrangian drives the expected number of open gates to the target, and projection
+holds it there exactly (its shift agrees with scipy's root finder); a model whose output
+one head alone carries keeps that head at every target, either way. Equivalence: one
+gate per GQA group scores every head of a group alike.
 
 Shape notation: L layers, H heads per layer.
 """
@@ -19,7 +20,7 @@ from torch.testing import assert_close
 from headlab.data.texts import load_texts
 from headlab.errors import UserError
 from headlab.importance import score
-from headlab.importance.gates import p_open, sample
+from headlab.importance.gates import LOG_ALPHA_BOUNDS, on_budget, p_open, sample
 from headlab.objectives import make_blocks, prepare
 from headlab.selection import select
 
@@ -56,6 +57,34 @@ def test_the_expected_open_gates_reach_the_target(tiny_gpt2, blocks, target):
     assert expected == pytest.approx(target, rel=0.02)
     assert expected == pytest.approx(s.extra["expected_open"], rel=1e-9)
     assert s.extra["target_met"]
+
+
+@pytest.mark.parametrize("steps", [2, 7, 40])
+def test_projection_holds_the_expected_open_gates_on_the_target(tiny_gpt2, blocks, steps):
+    """With ``gate_budget="projection"`` every step ends on the warm-up's goal, so the
+    training ends on the target whatever its length, and says so."""
+    s = score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4, gate_steps=steps,
+              gate_budget="projection")
+    assert float(p_open(s.tensor()).sum()) == pytest.approx(3, rel=1e-6)
+    assert s.extra["target_met"] and s.extra["budget"] == "projection"
+    assert s.extra["lambdas"] == [0.0, 0.0]  # no multipliers
+
+
+def test_the_projection_shift_is_the_root_scipy_finds():
+    """`on_budget` moves every log alpha by one constant c, within the bounds: the root
+    of sum P(open)(clamp(log_alpha + c)) - goal, as scipy's brentq finds it in float64."""
+    from scipy.optimize import brentq
+
+    log_alpha = torch.randn(50, generator=torch.Generator().manual_seed(0)).double() * 3
+    for goal in (1.0, 17.5, 49.0):
+        shifted = on_budget(log_alpha, goal)
+
+        def gap(c, goal=goal):
+            return float(p_open((log_alpha + c).clamp(*LOG_ALPHA_BOUNDS)).sum()) - goal
+
+        c = brentq(gap, -40, 40, xtol=1e-13)
+        assert_close(shifted, (log_alpha + c).clamp(*LOG_ALPHA_BOUNDS), rtol=0, atol=1e-9)
+        assert float(p_open(shifted).sum()) == pytest.approx(goal, rel=1e-9)
 
 
 def test_the_multipliers_train_at_their_own_rate(tiny_gpt2, blocks):
@@ -116,7 +145,8 @@ def test_the_model_s_own_outputs_kept_or_not_train_the_same_gates(tiny_gpt2, blo
     assert torch.equal(learnt[0], learnt[1])
 
 
-def test_the_head_that_carries_the_output_is_kept(tiny_gpt2, blocks):
+@pytest.mark.parametrize("budget", ["lagrangian", "projection"])
+def test_the_head_that_carries_the_output_is_kept(tiny_gpt2, blocks, budget):
     """Every head's W_O columns scaled to almost nothing but layer 1's head 2, scaled
     up: the model's output is that head's; every target keeps it."""
     D = tiny_gpt2.attentions[0].head_dim
@@ -127,7 +157,7 @@ def test_the_head_that_carries_the_output_is_kept(tiny_gpt2, blocks):
     carried = prepare(tiny_gpt2, blocks)  # unchanged for causal LMs
     for target in (1, 2, 6, 11):
         s = score(tiny_gpt2, carried, method="gates", target=target, batch_size=4,
-                  gate_steps=100)
+                  gate_steps=100, gate_budget=budget)
         assert 2 in select(s, target).kept[1], target
 
 
@@ -153,6 +183,8 @@ def test_one_gate_per_group_scores_a_group_alike(gqa_dir):
     ({"target": 6, "gate_lr": -1e-3}, "--gate-lr"),
     ({"target": 6, "gate_lagrange_lr": 0.0}, "--gate-lagrange-lr"),
     ({"target": 6, "gate_lagrange_lr": float("nan")}, "--gate-lagrange-lr"),
+    ({"target": 6, "gate_budget": "exact"}, "--gate-budget must be one of lagrangian, "
+                                             "projection"),
 ])
 def test_bad_options_say_so(tiny_gpt2, blocks, kwargs, message):
     with pytest.raises(UserError, match=message):

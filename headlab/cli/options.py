@@ -22,6 +22,7 @@ from headlab.runs.config import (
     DEMOTE_BY,
     DEVICES,
     DTYPES,
+    GATE_BUDGETS,
     METHODS,
     PROTOCOLS,
     RECOVER_PARAMS,
@@ -40,6 +41,7 @@ DType = StrEnum("DType", [(m, m) for m in DTYPES])
 Recovery = StrEnum("Recovery", [(m, m) for m in RECOVERY_METHODS])
 RecoverParams = StrEnum("RecoverParams", [(m, m) for m in RECOVER_PARAMS])
 Sharding = StrEnum("Sharding", [(m, m) for m in SHARDING])
+GateBudget = StrEnum("GateBudget", [(m, m) for m in GATE_BUDGETS])
 D = RunConfig.defaults()
 DEFAULT_METHOD, DEFAULT_SCHEDULE = Method(D["method"]), Schedule(D["schedule"])
 DEFAULT_DEVICE, DEFAULT_DTYPE = Device(D["device"]), DType(D["dtype"])
@@ -88,7 +90,7 @@ MinmaxOpt = Annotated[bool, typer.Option(
 PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
 ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
 GateStepsOpt = Annotated[int, typer.Option(
-    help="gates: AdamW steps training the head gates (one batch each; one passkey "
+    help="gates: steps training the head gates (one batch each; one passkey "
          "prompt each for --demote-by gates).")]
 GateLrOpt = Annotated[float, typer.Option(
     help="gates: learning rate of the gates and, unless --gate-lagrange-lr, of the "
@@ -97,6 +99,10 @@ GateLagrangeLrOpt = Annotated[float | None, typer.Option(
     show_default=False,
     help="gates: learning rate of the Lagrangian's multipliers alone; default: --gate-lr. "
          "The run warns where the gates end far from their target.")]
+GateBudgetOpt = Annotated[GateBudget, typer.Option(
+    help="gates: how the expected number of open gates is held to the target: "
+         "'lagrangian' (CoFi's multipliers, AdamW steps) or 'projection' (normalised "
+         "gradient steps, all gates shifted onto the target after each).")]
 GateRegOpt = Annotated[float, typer.Option(
     help="--demote-by gates: weight of the L1 penalty that pulls the gates toward "
          "streaming (DuoAttention's 0.05).")]
@@ -253,7 +259,8 @@ SCORING = (Opt("normalize", NormalizeOpt), Opt("global_minmax", MinmaxOpt, False
            Opt("per_token", PerTokenOpt, False), Opt("probes", ProbesOpt, D["probes"]),
            Opt("gate_steps", GateStepsOpt, D["gate_steps"]),
            Opt("gate_lr", GateLrOpt, D["gate_lr"]),
-           Opt("gate_lagrange_lr", GateLagrangeLrOpt))
+           Opt("gate_lagrange_lr", GateLagrangeLrOpt),
+           Opt("gate_budget", GateBudgetOpt, D["gate_budget"]))
 RECOVERY = (
     Opt("recover", Annotated[Recovery, typer.Option(
         help="Repair after pruning, on the scoring split: lsq refits each layer's output "

@@ -77,6 +77,7 @@ def score(
     gate_steps: int = gates.DEFAULT_STEPS,
     gate_lr: float = gates.DEFAULT_LR,
     gate_lagrange_lr: float | None = None,
+    gate_budget: str = "lagrangian",
 ) -> HeadScores:
     """Score every present, unmasked head of ``model`` on ``blocks``.
 
@@ -95,7 +96,9 @@ def score(
     batch that estimate the curvature; ``seed`` seeds them (and ``random``).
     ``target`` (gates): how many units to keep, query heads or, with ``unit="kv-group"``,
     GQA groups (one gate each); ``gate_steps`` AdamW steps at ``gate_lr`` train them,
-    and the Lagrangian's multipliers at ``gate_lagrange_lr`` (None: ``gate_lr``).
+    and the Lagrangian's multipliers at ``gate_lagrange_lr`` (None: ``gate_lr``);
+    ``gate_budget="projection"`` holds them on the target by a shift instead
+    (`headlab.importance.gates`).
     """
     if method not in METHODS:
         raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
@@ -116,7 +119,7 @@ def score(
         raise UserError(f"{method} trains toward a number of heads to keep: give a target "
                         "(--keep or --prune)")
     if method == "gates":
-        gates.check_options(gate_steps, gate_lr, gate_lagrange_lr)
+        gates.check_options(gate_steps, gate_lr, gate_lagrange_lr, gate_budget)
     extra: dict = {}
     if method in ("michel", "fisher", "taylor"):
         raw, n_tokens = _gradient_scores(model, blocks, batch_size, method=method,
@@ -126,7 +129,8 @@ def score(
     elif method == "gates":
         raw, n_tokens, extra = gates.train_gates(
             model, blocks, batch_size, target=target, by_group=unit == "kv-group",
-            steps=gate_steps, lr=gate_lr, lagrange_lr=gate_lagrange_lr, seed=seed,
+            steps=gate_steps, lr=gate_lr, lagrange_lr=gate_lagrange_lr, budget=gate_budget,
+            seed=seed,
             checkpoint=checkpoint, key=checkpoint_key)
     elif method == "flap":
         raw, n_tokens = flap_scores(model, blocks, batch_size)

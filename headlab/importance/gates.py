@@ -14,7 +14,12 @@ plus the Lagrangian of CoFi / Sheared-LLaMA,
 
 whose multipliers train by gradient ascent, so the expected number of open gates is
 driven to the target count; the target falls linearly from all units to the count over
-the first half of the steps (CoFi's Lagrangian warm-up). The learned log_alphas are the
+the first half of the steps (CoFi's Lagrangian warm-up). With ``budget="projection"``
+there are no multipliers: each step moves the log_alphas by the distillation loss's
+gradient over its root mean square (a step that keeps the gradients' relative sizes,
+where Adam's per-gate normalisation moves every gate by about the learning rate), then
+shifts all of them by one constant so that E equals the warm-up's target exactly
+(the shift found by bisection; E is monotone in it). The learned log_alphas are the
 scores: selection keeps the heads (or groups) whose gates are the most open.
 """
 
@@ -45,6 +50,7 @@ DEFAULT_STEPS = 100
 DEFAULT_LR = 0.1
 TEACHER_SHARE = 0.25  # of the device's memory, at most, for the model's outputs kept
 TARGET_TOLERANCE = 0.02  # of the target: the Lagrangian has bound where E ends within it
+BUDGETS = ("lagrangian", "projection")  # how the expected number of open gates is held
 
 
 def p_open(log_alpha: torch.Tensor) -> torch.Tensor:
@@ -72,7 +78,10 @@ def ended(details: dict) -> str | None:
             f"expected open against a target of {end[1]:g} after {end[2]:g} steps{verdict}")
 
 
-def check_options(steps: int, lr: float, lagrange_lr: float | None = None) -> None:
+def check_options(steps: int, lr: float, lagrange_lr: float | None = None,
+                  budget: str = "lagrangian") -> None:
+    if budget not in BUDGETS:
+        raise UserError(f"--gate-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
     if steps < 1:
         raise UserError(f"--gate-steps must be at least 1 training step, got {steps}")
     for flag, value in (("--gate-lr", lr), ("--gate-lagrange-lr", lagrange_lr)):
@@ -120,6 +129,21 @@ def run_steps(steps: int, start: int, step: Callable[[int], None], *, descriptio
         if checkpoint is not None and done > start:
             save(done)
         raise
+
+
+def on_budget(log_alpha: torch.Tensor, goal: float) -> torch.Tensor:
+    """``log_alpha`` shifted by one constant (and kept in `LOG_ALPHA_BOUNDS`) so that the
+    expected number of open gates is ``goal``: bisection on the shift, since the sum of
+    P(open) only grows with it."""
+    low, high = LOG_ALPHA_BOUNDS
+    lo, hi = low - float(log_alpha.max()), high - float(log_alpha.min())  # all shut .. open
+    for _ in range(50):  # the bracket, 40 wide at most, to 4e-14
+        mid = (lo + hi) / 2
+        if float(p_open((log_alpha + mid).clamp(low, high)).sum()) > goal:
+            hi = mid
+        else:
+            lo = mid
+    return (log_alpha + (lo + hi) / 2).clamp(low, high)
 
 
 def mean_over_ranks(grad: torch.Tensor) -> torch.Tensor:
@@ -179,12 +203,13 @@ class _Teacher:
 
 def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: int,
                 by_group: bool = False, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
-                lagrange_lr: float | None = None, seed: int = 0,
+                lagrange_lr: float | None = None, budget: str = "lagrangian", seed: int = 0,
                 checkpoint: Checkpoint | None = None, key: str = "gates"
                 ) -> tuple[list[torch.Tensor], int, dict]:
     """Train the gates of ``model``'s active heads toward ``target`` open units, the
     gates at ``lr``, the Lagrangian's multipliers at ``lagrange_lr`` (None: ``lr``, as
-    Sheared-LLaMA shares one rate between them).
+    Sheared-LLaMA shares one rate between them); or, with ``budget="projection"``, by
+    normalised gradient steps of ``lr`` held on the target by a shift (module docstring).
 
     ``blocks`` is this rank's shard; under torchrun data parallel the gates' gradients
     are averaged over ranks. Returns per layer the log_alpha of each present head (its
@@ -192,7 +217,7 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
     training ended at (``expected_open``, ``target_met``: whether that is within
     `TARGET_TOLERANCE` of the target, warned of where not; ``loss``, the multipliers).
     """
-    check_options(steps, lr, lagrange_lr)
+    check_options(steps, lr, lagrange_lr, budget)
     lagrange_lr = lr if lagrange_lr is None else lagrange_lr
     unit_of, n_units = _units(model, by_group)
     what = "groups" if by_group else "heads"
@@ -245,19 +270,27 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
         s_out = objective.forward(model, batch)
         distill = objective.distill_loss(model, s_out, model, t_out, batch, 1.0)
         goal = n_units - (n_units - target) * min(1.0, (step + 1) / warmup)
-        gap = (p_open(log_alpha).sum() - goal) / n_units
-        lagrangian = lambdas[0] * gap + lambdas[1] * gap.pow(2)
+        loss = distill
+        if budget == "lagrangian":
+            gap = (p_open(log_alpha).sum() - goal) / n_units
+            loss = loss + lambdas[0] * gap + lambdas[1] * gap.pow(2)
         gate_opt.zero_grad()
         lambda_opt.zero_grad()
-        (distill + lagrangian).backward()
+        loss.backward()
         if not torch.isfinite(distill):
             raise FloatingPointError("non-finite loss while training gates; see "
                                      "--dtype float32")
         log_alpha.grad = mean_over_ranks(log_alpha.grad)
-        gate_opt.step()
-        lambda_opt.step()
-        with torch.no_grad():
-            log_alpha.clamp_(*LOG_ALPHA_BOUNDS)
+        if budget == "lagrangian":
+            gate_opt.step()
+            lambda_opt.step()
+            with torch.no_grad():
+                log_alpha.clamp_(*LOG_ALPHA_BOUNDS)
+        else:
+            g = log_alpha.grad
+            with torch.no_grad():
+                moved = log_alpha - lr * g / g.pow(2).mean().sqrt().clamp_min(1e-30)
+                log_alpha.copy_(on_budget(moved, goal))
         n_tokens += int(batch["attention_mask"].sum())
         status.update(loss=float(distill.detach()),
                       open=float(p_open(log_alpha.detach()).sum()))
@@ -282,7 +315,8 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
                     "which does not always choose better heads (docs/prune-and-repair.md, "
                     "'When the gates miss their target')", expected, what, target, steps,
                     why, target, move)
-    extra = {"steps": steps, "lr": lr, "lagrange_lr": lagrange_lr, "target": target,
+    extra = {"steps": steps, "lr": lr, "lagrange_lr": lagrange_lr, "budget": budget,
+             "target": target,
              "unit": "kv-group" if by_group else "head", "expected_open": expected,
              "target_met": target_met,
              "loss": status["loss"], "lambdas": lambdas.detach().tolist()}

@@ -22,6 +22,7 @@ from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS, TARGETED
 from headlab.importance.duo import DEFAULT_REG as GATE_REG
 from headlab.importance.duo import check_reg as check_gate_reg
+from headlab.importance.gates import BUDGETS as GATE_BUDGETS
 from headlab.importance.gates import DEFAULT_LR as GATE_LR
 from headlab.importance.gates import DEFAULT_STEPS as GATE_STEPS
 from headlab.importance.gates import check_options as check_gate_options
@@ -85,6 +86,7 @@ class RunConfig:
     gate_steps: int = GATE_STEPS  # gates: AdamW steps training the head gates
     gate_lr: float = GATE_LR  # gates: their learning rate (and the multipliers')
     gate_lagrange_lr: float | None = None  # gates: the multipliers' rate; None: gate_lr
+    gate_budget: str = GATE_BUDGETS[0]  # gates: how E is held to the target (GATE_BUDGETS)
     gate_reg: float = GATE_REG  # --demote-by gates: weight of the L1 penalty on the gates
     device: str = "auto"
     dtype: str = "float32"
@@ -168,7 +170,8 @@ class RunConfig:
         if self.command == "score" and self.method in TARGETED and not targeted:
             raise UserError(f"--method {self.method} trains toward a number of heads to "
                             "keep: give --keep FRACTION or --prune N")
-        check_gate_options(self.gate_steps, self.gate_lr, self.gate_lagrange_lr)
+        check_gate_options(self.gate_steps, self.gate_lr, self.gate_lagrange_lr,
+                           self.gate_budget)
         check_gate_reg(self.gate_reg)
         self._check_kv_cache()
         if self.schedule not in SCHEDULES:
