@@ -67,7 +67,7 @@ def test_projection_holds_the_expected_open_gates_on_the_target(tiny_gpt2, block
               gate_budget="projection")
     assert float(p_open(s.tensor()).sum()) == pytest.approx(3, rel=1e-6)
     assert s.extra["target_met"] and s.extra["budget"] == "projection"
-    assert s.extra["lambdas"] == [0.0, 0.0]  # no multipliers
+    assert s.extra["lambdas"] == [0.0, 0.0] and s.extra["lagrange_lr"] is None  # none
 
 
 def test_the_projection_shift_is_the_root_scipy_finds():

@@ -315,8 +315,8 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
                     "which does not always choose better heads (docs/prune-and-repair.md, "
                     "'When the gates miss their target')", expected, what, target, steps,
                     why, target, move)
-    extra = {"steps": steps, "lr": lr, "lagrange_lr": lagrange_lr, "budget": budget,
-             "target": target,
+    extra = {"steps": steps, "lr": lr, "budget": budget, "target": target,
+             "lagrange_lr": lagrange_lr if budget == "lagrangian" else None,
              "unit": "kv-group" if by_group else "head", "expected_open": expected,
              "target_met": target_met,
              "loss": status["loss"], "lambdas": lambdas.detach().tolist()}
