@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,14 +148,22 @@ def render(paths: list[Path]) -> str:
     return f"{MARKERS[0]}\n{body}\n{MARKERS[1]}"
 
 
+def _block(paths: list[Path], name: str, rows_of: Callable[[dict], list[str]],
+           markers: tuple[str, str], missing: str) -> str:
+    """A page's block (markers included): the rows ``rows_of`` reads from the JSON called
+    ``name`` among ``paths``, under the line that says where and when it was measured;
+    ``missing`` where there is no such JSON or it has no rows."""
+    found = [json.loads(Path(p).read_text()) for p in paths if Path(p).name == name]
+    rows = rows_of(found[0]) if found else []
+    body = f"{_setting(found[0])}\n\n" + "\n".join(rows) if rows else missing
+    return f"{markers[0]}\n{body}\n{markers[1]}"
+
+
 def render_tradeoff(paths: list[Path]) -> str:
-    """The README's block (markers included): recovery.json's trade-off table under the
-    line that says where and when it was measured."""
-    found = [json.loads(Path(p).read_text()) for p in paths if Path(p).name == "recovery.json"]
-    rows = _tradeoff(found[0].get("checks", {}).get("tradeoff") or []) if found else []
-    body = (f"{_setting(found[0])}\n\n" + "\n".join(rows) if rows
-            else "No trade-off measured (`headlab bench recovery` writes it).")
-    return f"{TRADEOFF_MARKERS[0]}\n{body}\n{TRADEOFF_MARKERS[1]}"
+    """The README's block: recovery.json's trade-off table."""
+    return _block(paths, "recovery.json",
+                  lambda d: _tradeoff(d.get("checks", {}).get("tradeoff") or []),
+                  TRADEOFF_MARKERS, "No trade-off measured (`headlab bench recovery` writes it).")
 
 
 def _median(d: dict, figure: str) -> float | None:
@@ -277,23 +286,15 @@ def _methods(d: dict) -> list[str]:
 
 
 def render_methods(paths: list[Path]) -> str:
-    """docs/prune-and-repair.md's block (markers included): quality.json's grids under
-    the line that says where and when they were measured."""
-    found = [json.loads(Path(p).read_text()) for p in paths if Path(p).name == "quality.json"]
-    rows = _methods(found[0]) if found else []
-    body = (f"{_setting(found[0])}\n\n" + "\n".join(rows) if rows
-            else "No methods compared (`headlab bench quality` writes them).")
-    return f"{METHOD_MARKERS[0]}\n{body}\n{METHOD_MARKERS[1]}"
+    """docs/prune-and-repair.md's block: quality.json's grids as one table of methods."""
+    return _block(paths, "quality.json", _methods, METHOD_MARKERS,
+                  "No methods compared (`headlab bench quality` writes them).")
 
 
 def render_kv_cache(paths: list[Path]) -> str:
-    """docs/kv-cache.md's block (markers included): generate.json's long-context tables
-    under the line that says where and when they were measured."""
-    found = [json.loads(Path(p).read_text()) for p in paths if Path(p).name == "generate.json"]
-    rows = _kv_cache(found[0]) if found else []
-    body = (f"{_setting(found[0])}\n\n" + "\n".join(rows) if rows
-            else "No long-context figures measured (`headlab bench generate` writes them).")
-    return f"{KV_MARKERS[0]}\n{body}\n{KV_MARKERS[1]}"
+    """docs/kv-cache.md's block: generate.json's long-context tables."""
+    return _block(paths, "generate.json", _kv_cache, KV_MARKERS,
+                  "No long-context figures measured (`headlab bench generate` writes them).")
 
 
 def current_block(text: str, markers: tuple[str, str] = MARKERS) -> str:
@@ -317,19 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     page = Path(args.page)
     jsons = [Path(p) for p in args.jsons] or sorted((ROOT / "reports" / "bench").glob("*.json"))
-    tables = update(page, current_block, render(jsons), check=args.check,
-                    what="benchmark tables", markers=f"{MARKERS[0]} and {MARKERS[1]}",
-                    script="scripts/bench_tables.py")
-    tradeoff = update(Path(args.readme), lambda t: current_block(t, TRADEOFF_MARKERS),
-                      render_tradeoff(jsons), check=args.check, what="trade-off table",
-                      markers=" and ".join(TRADEOFF_MARKERS), script="scripts/bench_tables.py")
-    kv_cache = update(Path(args.kv_cache), lambda t: current_block(t, KV_MARKERS),
-                      render_kv_cache(jsons), check=args.check, what="long-context tables",
-                      markers=" and ".join(KV_MARKERS), script="scripts/bench_tables.py")
-    methods = update(Path(args.methods), lambda t: current_block(t, METHOD_MARKERS),
-                     render_methods(jsons), check=args.check, what="table of methods",
-                     markers=" and ".join(METHOD_MARKERS), script="scripts/bench_tables.py")
-    return max(tables, tradeoff, kv_cache, methods)
+    blocks = [(page, MARKERS, render, "benchmark tables"),
+              (Path(args.readme), TRADEOFF_MARKERS, render_tradeoff, "trade-off table"),
+              (Path(args.kv_cache), KV_MARKERS, render_kv_cache, "long-context tables"),
+              (Path(args.methods), METHOD_MARKERS, render_methods, "table of methods")]
+    return max(update(path, lambda t, m=markers: current_block(t, m), rendered(jsons),
+                      check=args.check, what=what, markers=" and ".join(markers),
+                      script="scripts/bench_tables.py")
+               for path, markers, rendered, what in blocks)
 
 if __name__ == "__main__":
     sys.exit(main())

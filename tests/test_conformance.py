@@ -221,6 +221,10 @@ def test_scores(family, loaded, scoring_blocks):
                   gate_steps=4, **target).tensor()
         assert t.shape == (model.n_layers, model.n_original_heads), method
         assert bool(torch.isfinite(t).all()), method
+    held = score(model, scoring_blocks(family), method="gates", batch_size=4, gate_steps=4,
+                 target=model.n_layers, gate_budget="projection")  # on the target exactly
+    assert bool(torch.isfinite(held.tensor()).all())
+    assert held.extra["expected_open"] == pytest.approx(model.n_layers, rel=1e-6)
 
 
 def _check_curvature_probes(model, batch) -> None:

@@ -17,12 +17,12 @@ from typing import Annotated, Any
 
 import typer
 
+from headlab.importance.gates import BUDGETS as GATE_BUDGETS
 from headlab.models.loading import BUNDLED
 from headlab.runs.config import (
     DEMOTE_BY,
     DEVICES,
     DTYPES,
-    GATE_BUDGETS,
     METHODS,
     PROTOCOLS,
     RECOVER_PARAMS,

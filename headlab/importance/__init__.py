@@ -77,7 +77,7 @@ def score(
     gate_steps: int = gates.DEFAULT_STEPS,
     gate_lr: float = gates.DEFAULT_LR,
     gate_lagrange_lr: float | None = None,
-    gate_budget: str = "lagrangian",
+    gate_budget: str = gates.DEFAULT_BUDGET,
 ) -> HeadScores:
     """Score every present, unmasked head of ``model`` on ``blocks``.
 

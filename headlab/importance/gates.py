@@ -51,6 +51,7 @@ DEFAULT_LR = 0.1
 TEACHER_SHARE = 0.25  # of the device's memory, at most, for the model's outputs kept
 TARGET_TOLERANCE = 0.02  # of the target: the Lagrangian has bound where E ends within it
 BUDGETS = ("lagrangian", "projection")  # how the expected number of open gates is held
+DEFAULT_BUDGET = "lagrangian"
 
 
 def p_open(log_alpha: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ def ended(details: dict) -> str | None:
 
 
 def check_options(steps: int, lr: float, lagrange_lr: float | None = None,
-                  budget: str = "lagrangian") -> None:
+                  budget: str = DEFAULT_BUDGET) -> None:
     if budget not in BUDGETS:
         raise UserError(f"--gate-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
     if steps < 1:
@@ -203,7 +204,7 @@ class _Teacher:
 
 def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: int,
                 by_group: bool = False, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
-                lagrange_lr: float | None = None, budget: str = "lagrangian", seed: int = 0,
+                lagrange_lr: float | None = None, budget: str = DEFAULT_BUDGET, seed: int = 0,
                 checkpoint: Checkpoint | None = None, key: str = "gates"
                 ) -> tuple[list[torch.Tensor], int, dict]:
     """Train the gates of ``model``'s active heads toward ``target`` open units, the

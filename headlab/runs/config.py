@@ -22,7 +22,7 @@ from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS, TARGETED
 from headlab.importance.duo import DEFAULT_REG as GATE_REG
 from headlab.importance.duo import check_reg as check_gate_reg
-from headlab.importance.gates import BUDGETS as GATE_BUDGETS
+from headlab.importance.gates import DEFAULT_BUDGET as GATE_BUDGET
 from headlab.importance.gates import DEFAULT_LR as GATE_LR
 from headlab.importance.gates import DEFAULT_STEPS as GATE_STEPS
 from headlab.importance.gates import check_options as check_gate_options
@@ -86,7 +86,7 @@ class RunConfig:
     gate_steps: int = GATE_STEPS  # gates: AdamW steps training the head gates
     gate_lr: float = GATE_LR  # gates: their learning rate (and the multipliers')
     gate_lagrange_lr: float | None = None  # gates: the multipliers' rate; None: gate_lr
-    gate_budget: str = GATE_BUDGETS[0]  # gates: how E is held to the target (GATE_BUDGETS)
+    gate_budget: str = GATE_BUDGET  # gates: how E is held to the target (gates.BUDGETS)
     gate_reg: float = GATE_REG  # --demote-by gates: weight of the L1 penalty on the gates
     device: str = "auto"
     dtype: str = "float32"
