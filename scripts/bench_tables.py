@@ -5,7 +5,9 @@ line that says where and when the JSON was measured; the README's trade-off tabl
 docs/kv-cache.md's long-context tables (``bench generate``'s) between
 ``<!-- kvcache:start -->`` and ``<!-- kvcache:end -->``; and docs/prune-and-repair.md's
 table of importance methods (``bench quality``'s grids) between
-``<!-- methods:start -->`` and ``<!-- methods:end -->``.
+``<!-- methods:start -->`` and ``<!-- methods:end -->``, and its table of gate trainings
+(scripts/schedule_study.py's committed ``reports/bench/schedule-study/gates-*.json``)
+between ``<!-- gates-budget:start -->`` and ``<!-- gates-budget:end -->``.
 Nothing in them is typed by hand.
 
     python scripts/bench_tables.py            # rewrite the tables
@@ -34,6 +36,8 @@ MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
 TRADEOFF_MARKERS = ("<!-- tradeoff:start -->", "<!-- tradeoff:end -->")
 KV_MARKERS = ("<!-- kvcache:start -->", "<!-- kvcache:end -->")
 METHOD_MARKERS = ("<!-- methods:start -->", "<!-- methods:end -->")
+GATES_MARKERS = ("<!-- gates-budget:start -->", "<!-- gates-budget:end -->")
+GATES_STUDIES = ROOT / "reports" / "bench" / "schedule-study"  # gates-<model>.json
 # bench quality's rows in docs/prune-and-repair.md's table of methods, as its columns name them
 METHOD_COLUMNS = {"michel_unnormalised": "michel `--no-normalize`", "michel": "michel",
                   "taylor": "taylor (default)", "gates": "gates", "flap": "flap",
@@ -282,6 +286,9 @@ def _methods(d: dict) -> list[str]:
                 cells.append(f"{_quality(q[m, 'none'][i], metric)} → {after}{bias}")
             rows.append(f"| {model} ({metric} {_quality(g['before'], metric)}) | "
                         f"{keep:g} ({heads}) | " + " | ".join(cells) + " |")
+    c = d.get("config", {})
+    rows += ["", f"The gates were trained {c['gate_steps']} steps of {c['gate_batch']} blocks "
+             f"at lr {c['gate_lr']} with the `{c['gate_budget']}` budget."]
     return rows
 
 
@@ -289,6 +296,56 @@ def render_methods(paths: list[Path]) -> str:
     """docs/prune-and-repair.md's block: quality.json's grids as one table of methods."""
     return _block(paths, "quality.json", _methods, METHOD_MARKERS,
                   "No methods compared (`headlab bench quality` writes them).")
+
+
+def gates_variant(variant: str) -> tuple[str, str, int]:
+    """A schedule_study gates variant (``gates:STEPS:LR[:RATE|:projection][:bN][:sN]``)
+    as (the training, its ``--gate-budget``, its seed): the variants that differ in the
+    seed alone are one training."""
+    _, steps, lr, *rest = variant.split(":")
+    seed = int(rest.pop()[1:]) if rest and rest[-1][:1] == "s" else 0
+    blocks = rest.pop()[1:] if rest and rest[-1][:1] == "b" else None
+    per_step = "" if blocks is None else f", {blocks} block{'' if blocks == '1' else 's'} a step"
+    rate = f", multipliers at {rest[0]}" if rest and rest != ["projection"] else ""
+    return (f"{steps} steps at lr {lr}{rate}{per_step}",
+            "projection" if rest == ["projection"] else "lagrangian", seed)
+
+
+def _gates_study(studies: list[dict]) -> list[str]:
+    """The gate trainings studied, per model: each training's seeds, where the expected
+    number of open gates ended and the perplexity pruned and after lsq (the means over
+    the seeds; each seed's perplexity in brackets), and its mean seconds."""
+    rows = ["| model (perplexity as it came) | gates trained | `--gate-budget` | seeds | "
+            "expected open (target) | pruned | after `lsq` | seconds |",
+            "|---|---|---|---|---|---|---|---|"]
+
+    def cell(xs: list[float]) -> str:
+        mean = f"{sum(xs) / len(xs):.1f}"
+        return mean if len(xs) == 1 else f"{mean} ({', '.join(f'{x:.1f}' for x in xs)})"
+
+    for run in studies:
+        trainings: dict[tuple[str, str], list[dict]] = {}
+        for r in run["rows"]:
+            if r["variant"].startswith("gates:"):
+                training, budget, _ = gates_variant(r["variant"])
+                trainings.setdefault((training, budget), []).append(r)
+        name = f"{run['model']} ({run['before']:.1f})"
+        for (training, budget), rs in trainings.items():
+            seeds = ", ".join(str(gates_variant(r["variant"])[2]) for r in rs)
+            rows.append(f"| {name} | {training} | `{budget}` | {seeds} | "
+                        f"{sum(r['expected_open'] for r in rs) / len(rs):.1f} ({run['target']}) | "
+                        f"{cell([r['pruned'] for r in rs])} | {cell([r['lsq'] for r in rs])} | "
+                        f"{sum(r['score_s'] for r in rs) / len(rs):.0f} |")
+            name = ""
+    return rows
+
+
+def render_gates_study(_paths: list[Path]) -> str:
+    """docs/prune-and-repair.md's block: the committed gate-training studies."""
+    studies = [json.loads(p.read_text()) for p in sorted(GATES_STUDIES.glob("gates-*.json"))]
+    body = ("\n".join(_gates_study(studies)) if studies
+            else "No gate training studied (scripts/schedule_study.py writes them).")
+    return f"{GATES_MARKERS[0]}\n{body}\n{GATES_MARKERS[1]}"
 
 
 def render_kv_cache(paths: list[Path]) -> str:
@@ -321,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = [(page, MARKERS, render, "benchmark tables"),
               (Path(args.readme), TRADEOFF_MARKERS, render_tradeoff, "trade-off table"),
               (Path(args.kv_cache), KV_MARKERS, render_kv_cache, "long-context tables"),
-              (Path(args.methods), METHOD_MARKERS, render_methods, "table of methods")]
+              (Path(args.methods), METHOD_MARKERS, render_methods, "table of methods"),
+              (Path(args.methods), GATES_MARKERS, render_gates_study, "table of gate trainings")]
     return max(update(path, lambda t, m=markers: current_block(t, m), rendered(jsons),
                       check=args.check, what=what, markers=" and ".join(markers),
                       script="scripts/bench_tables.py")

@@ -12,7 +12,9 @@ of the sample judges.
 Each variant is a schedule, a step and a number of taylor's probes, written
 ``one-shot:0.1:4`` or ``iterative:0.1:4``, or gates trained for a number of steps at a
 learning rate, the multipliers at their own if given: ``gates:100:0.1`` or
-``gates:100:0.1:1.0``, or held on the target by projection: ``gates:100:0.1:projection``
+``gates:100:0.1:1.0``, or held on the target by projection: ``gates:100:0.1:projection``,
+each step on another number of blocks than the default and the gates' noise drawn from
+another seed than 0 if last fields say so: ``gates:100:0.1:projection:b4:s2``
 (``--variants`` takes several, comma-separated). Gates keep the heads
 whose gates end most open, once (`headlab.select`), and their row says where the expected
 number of open gates ended. Run it on an idle machine without OMP_WAIT_POLICY=PASSIVE, as
@@ -58,11 +60,16 @@ def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: i
         t0 = time.perf_counter()
         if kind == "gates":
             steps, lr, *rest = options
+            tail = {}  # b<N>: the blocks per step, s<N>: the seed, from the end
+            while rest and rest[-1][:1] in ("b", "s") and rest[-1][1:].isdigit():
+                field = rest.pop()
+                tail[field[0]] = int(field[1:])
             budget = {"gate_budget": "projection"} if rest == ["projection"] else {
-                "gate_lagrange_lr": float(rest[0]) if rest else None}
+                "gate_budget": "lagrangian", "gate_lagrange_lr": float(rest[0]) if rest else None}
             scores = headlab.score(model, scoring, method="gates", batch_size=batch_size,
                                    target=n_keep, gate_steps=int(steps), gate_lr=float(lr),
-                                   **budget)
+                                   seed=tail.get("s", 0), **budget,
+                                   **({"gate_batch": tail["b"]} if "b" in tail else {}))
             plan, scorings = headlab.select(scores, n_keep), 1
             trained = {"expected_open": scores.extra["expected_open"]}
         else:
@@ -83,7 +90,7 @@ def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: i
                      "lsq": headlab.evaluate(pruned, judging, batch_size=batch_size).value,
                      "score_s": score_s, "lsq_s": lsq_s, "scorings": scorings, **trained})
         print(json.dumps(rows[-1]), flush=True)
-    return {"model": name, "before": before, "keep": keep, "seq_len": seq_len,
+    return {"model": name, "before": before, "keep": keep, "target": n_keep, "seq_len": seq_len,
             "score_tokens": int(scoring.attention_mask.sum()),
             "judge_tokens": int(judging.attention_mask.sum()), "rows": rows}
 

@@ -204,6 +204,9 @@ def test_benchmark_tables_are_the_committed_jsons():
     assert tables.current_block(methods, tables.METHOD_MARKERS) == tables.render_methods(
         jsons), "docs/prune-and-repair.md's table of methods is stale: run " \
         "python scripts/bench_tables.py"
+    assert tables.current_block(methods, tables.GATES_MARKERS) == tables.render_gates_study(
+        jsons), "docs/prune-and-repair.md's table of gate trainings is stale: run " \
+        "python scripts/bench_tables.py"
 
 
 def test_bench_tables_script_rewrites_and_checks(tmp_path):
@@ -217,7 +220,8 @@ def test_bench_tables_script_rewrites_and_checks(tmp_path):
     kv_cache = tmp_path / "kv-cache.md"
     kv_cache.write_text("{}\nold\n{}\nend\n".format(*tables.KV_MARKERS))
     methods = tmp_path / "prune-and-repair.md"
-    methods.write_text("{}\nold\n{}\n".format(*tables.METHOD_MARKERS))
+    methods.write_text("{}\nold\n{}\n{}\nold\n{}\n".format(*tables.METHOD_MARKERS,
+                                                        *tables.GATES_MARKERS))
     args = ["--readme", str(readme), "--kv-cache", str(kv_cache), "--methods", str(methods),
             *map(str, jsons)]
     assert tables.main([str(page), *args]) == 0
@@ -226,7 +230,8 @@ def test_bench_tables_script_rewrites_and_checks(tmp_path):
     assert tables.current_block(text) == tables.render(jsons)
     assert readme.read_text() == f"intro\n{tables.render_tradeoff(jsons)}\n"
     assert kv_cache.read_text() == f"{tables.render_kv_cache(jsons)}\nend\n"
-    assert methods.read_text() == f"{tables.render_methods(jsons)}\n"
+    assert methods.read_text() == (f"{tables.render_methods(jsons)}\n"
+                                   f"{tables.render_gates_study(jsons)}\n")
     assert "**" in methods.read_text()  # quality.json's grids: the best after lsq marked
     assert tables.main([str(page), "--check", *args]) == 0
     page.write_text(text.replace("| yes |", "| no |", 1).replace("| **no** |", "| x |", 1))
@@ -296,24 +301,25 @@ def test_the_documented_default_method_is_the_runs_and_its_evidence_is_committed
             assert {r["method"] for r in grid["rows"]} == set(columns), key
 
 
-def test_the_gate_budget_table_is_the_committed_study():
-    """docs/prune-and-repair.md's table of `--gate-budget` holds, row for row, the
-    committed scripts/schedule_study.py runs it names."""
+def test_the_gate_trainings_table_reads_the_committed_studies():
+    """docs/prune-and-repair.md's table of gate trainings: one row per training of each
+    committed scripts/schedule_study.py run, its seeds gathered, the means theirs."""
     import json
 
-    page = (ROOT / "docs" / "prune-and-repair.md").read_text()
-    start, end = "<!-- gates-budget:start -->", "<!-- gates-budget:end -->"
-    lines = page[page.index(start):page.index(end)].splitlines()
-    runs = sorted((ROOT / "reports" / "bench" / "schedule-study").glob("gates-*.json"))
+    tables = script("bench_tables")
+    assert tables.gates_variant("gates:100:0.1") == ("100 steps at lr 0.1", "lagrangian", 0)
+    assert tables.gates_variant("gates:100:0.1:1.0:s2") == (
+        "100 steps at lr 0.1, multipliers at 1.0", "lagrangian", 2)
+    assert tables.gates_variant("gates:25:0.4:projection:b1:s1") == (
+        "25 steps at lr 0.4, 1 block a step", "projection", 1)
+    runs = sorted(tables.GATES_STUDIES.glob("gates-*.json"))
     assert [p.stem for p in runs] == ["gates-gemma3-270m", "gates-smollm2-135m"]
-    rows = [ln for ln in lines if ln.startswith("| ") and "---" not in ln][1:]
-    studied = [(run, r) for run in (json.loads(p.read_text()) for p in runs)
-               for r in run["rows"]]
-    assert len(rows) == len(studied)
-    for line, (run, r) in zip(rows, studied, strict=True):
-        budget = "projection" if r["variant"].endswith(":projection") else "lagrangian"
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[1].startswith(f"`{budget}`"), line
-        assert cells[2].startswith(f"{r['expected_open']:.1f} ("), line
-        assert cells[3:5] == [f"{r['pruned']:.1f}", f"{r['lsq']:.1f}"], line
+    lines = [ln for ln in tables.render_gates_study([]).splitlines() if ln.startswith("| ")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]
+    for run in (json.loads(p.read_text()) for p in runs):
         assert run["keep"] == 0.6 and run["score_tokens"] == 4096, run["model"]
+        for r in run["rows"]:
+            training, budget, seed = tables.gates_variant(r["variant"])
+            (row,) = [c for c in cells if c[1:3] == [training, f"`{budget}`"]
+                      and str(seed) in c[3].split(", ") and f"{r['lsq']:.1f}" in c[6]]
+            assert row[4].endswith(f"({run['target']})"), row

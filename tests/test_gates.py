@@ -2,11 +2,11 @@
 CoFi's Lagrangian).
 
 Invariants: the hard-concrete gate's P(open) is the fraction of its samples that are
-not 0; with a target of every head the gates stay open and selection keeps all; the
-Lagrangian drives the expected number of open gates to the target, and projection
-holds it there exactly (its shift agrees with scipy's root finder); a model whose output
-one head alone carries keeps that head at every target, either way. Equivalence: one
-gate per GQA group scores every head of a group alike.
+not 0; with a target of every head the gates stay open and selection keeps all;
+projection (the default budget) holds the expected number of open gates on the target
+exactly (its shift agrees with scipy's root finder), and the Lagrangian drives it there;
+a model whose output one head alone carries keeps that head at every target, either way.
+Equivalence: one gate per GQA group scores every head of a group alike.
 
 Shape notation: L layers, H heads per layer.
 """
@@ -25,6 +25,8 @@ from headlab.objectives import make_blocks, prepare
 from headlab.selection import select
 
 S = 24
+# CoFi's multipliers, each step on two batches' blocks
+LAGRANGIAN = {"gate_budget": "lagrangian", "gate_batch": 4}
 
 
 @pytest.fixture()
@@ -52,7 +54,7 @@ def test_every_head_as_target_keeps_the_gates_open(tiny_gpt2, blocks):
 @pytest.mark.parametrize("target", [3, 6, 9])
 def test_the_expected_open_gates_reach_the_target(tiny_gpt2, blocks, target):
     s = score(tiny_gpt2, blocks, method="gates", target=target, batch_size=4,
-              gate_steps=200)
+              gate_steps=200, **LAGRANGIAN)
     expected = float(p_open(s.tensor()).sum())
     assert expected == pytest.approx(target, rel=0.02)
     assert expected == pytest.approx(s.extra["expected_open"], rel=1e-9)
@@ -61,13 +63,12 @@ def test_the_expected_open_gates_reach_the_target(tiny_gpt2, blocks, target):
 
 @pytest.mark.parametrize("steps", [2, 7, 40])
 def test_projection_holds_the_expected_open_gates_on_the_target(tiny_gpt2, blocks, steps):
-    """With ``gate_budget="projection"`` every step ends on the warm-up's goal, so the
-    training ends on the target whatever its length, and says so."""
-    s = score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4, gate_steps=steps,
-              gate_budget="projection")
+    """With the default budget, projection, every step ends on the warm-up's goal, so
+    the training ends on the target whatever its length, and says so."""
+    s = score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4, gate_steps=steps)
     assert float(p_open(s.tensor()).sum()) == pytest.approx(3, rel=1e-6)
     assert s.extra["target_met"] and s.extra["budget"] == "projection"
-    assert s.extra["lambdas"] == [0.0, 0.0] and s.extra["lagrange_lr"] is None  # none
+    assert s.extra["lambdas"] is None and s.extra["lagrange_lr"] is None  # none trained
 
 
 def test_the_projection_shift_is_the_root_scipy_finds():
@@ -91,7 +92,8 @@ def test_the_multipliers_train_at_their_own_rate(tiny_gpt2, blocks):
     """--gate-lagrange-lr moves the multipliers alone: unset, they train at the gates'
     rate; faster, they grow further in the same steps."""
     runs = [score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4, gate_steps=20,
-                  **kw) for kw in ({}, {"gate_lagrange_lr": 0.1}, {"gate_lagrange_lr": 1.0})]
+                  **LAGRANGIAN, **kw)
+            for kw in ({}, {"gate_lagrange_lr": 0.1}, {"gate_lagrange_lr": 1.0})]
     shared, same, faster = runs
     assert shared.extra["lagrange_lr"] == shared.extra["lr"] == 0.1
     assert_close(shared.tensor(), same.tensor(), rtol=0, atol=0)
@@ -108,7 +110,7 @@ def test_gates_that_end_off_the_target_say_so(tiny_gpt2, blocks, caplog, steps, 
     it, and the scores record it."""
     with caplog.at_level("WARNING", logger="headlab.importance.gates"):
         s = score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4,
-                  gate_steps=steps)
+                  gate_steps=steps, **LAGRANGIAN)
     assert not s.extra["target_met"]
     assert (s.extra["expected_open"] > 3 * 1.02) if above else \
         (s.extra["expected_open"] < 3 * 0.98)
@@ -140,12 +142,12 @@ def test_the_model_s_own_outputs_kept_or_not_train_the_same_gates(tiny_gpt2, blo
         calls.clear()
         learnt.append(score(tiny_gpt2, blocks, method="gates", target=6, batch_size=4,
                             gate_steps=10).tensor())
-        n_batches = -(-len(blocks) // 4)
-        assert sum(calls) == (n_batches if share else 10)  # the gates-at-1 forwards
+        assert len(blocks) == 8  # one block a step: 8 batches, the first 2 seen twice
+        assert sum(calls) == (8 if share else 10)  # the gates-at-1 forwards
     assert torch.equal(learnt[0], learnt[1])
 
 
-@pytest.mark.parametrize("budget", ["lagrangian", "projection"])
+@pytest.mark.parametrize("budget", [LAGRANGIAN, {}])
 def test_the_head_that_carries_the_output_is_kept(tiny_gpt2, blocks, budget):
     """Every head's W_O columns scaled to almost nothing but layer 1's head 2, scaled
     up: the model's output is that head's; every target keeps it."""
@@ -157,7 +159,7 @@ def test_the_head_that_carries_the_output_is_kept(tiny_gpt2, blocks, budget):
     carried = prepare(tiny_gpt2, blocks)  # unchanged for causal LMs
     for target in (1, 2, 6, 11):
         s = score(tiny_gpt2, carried, method="gates", target=target, batch_size=4,
-                  gate_steps=100, gate_budget=budget)
+                  gate_steps=100, **budget)
         assert 2 in select(s, target).kept[1], target
 
 
@@ -185,6 +187,7 @@ def test_one_gate_per_group_scores_a_group_alike(gqa_dir):
     ({"target": 6, "gate_lagrange_lr": float("nan")}, "--gate-lagrange-lr"),
     ({"target": 6, "gate_budget": "exact"}, "--gate-budget must be one of lagrangian, "
                                              "projection"),
+    ({"target": 6, "gate_batch": 0}, "--gate-batch must be at least 1 block per step"),
 ])
 def test_bad_options_say_so(tiny_gpt2, blocks, kwargs, message):
     with pytest.raises(UserError, match=message):
@@ -209,6 +212,7 @@ def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, met
     r = CliRunner().invoke(app, ["prune", "--model", str(tiny_gpt2_dir), "--method", "gates",
                                  "--keep", "0.25", "--gate-steps", str(steps), "--seq-len",
                                  str(S), "--max-tokens", str(8 * S), "--batch-size", "4",
+                                 "--gate-budget", "lagrangian", "--gate-batch", "4",
                                  "--recover", "none", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     written = json.loads((out / "results.json").read_text())

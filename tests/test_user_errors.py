@@ -127,6 +127,8 @@ CASES = [
      "--gate-lr must be a positive learning rate, got -0.1"),
     ("prune -m smollm2-135m --keep 0.5 --method gates --gate-lagrange-lr 0 --out {out}",
      "--gate-lagrange-lr must be a positive learning rate, got 0"),
+    ("prune -m smollm2-135m --keep 0.5 --method gates --gate-batch 0 --out {out}",
+     "--gate-batch must be at least 1 block per step, got 0"),
     ("score -m smollm2-135m --method gates --prune 270 --out {out}", "has 270 attention heads"),
     ("score -m {model} --method gates --out {out}", "give --keep FRACTION or --prune N"),
     ("score -m {model} --method michel --keep 0.5 --out {out}", "set the target of gates"),

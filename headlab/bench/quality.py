@@ -16,7 +16,7 @@ from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
 from headlab.bench._parts import Parts, measure_part
 from headlab.importance import JOINT, TARGETED
-from headlab.importance.gates import DEFAULT_STEPS
+from headlab.importance.gates import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_LR, DEFAULT_STEPS
 from headlab.runs.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,10 @@ class QualitySizes:
     batch: int = 4
     methods: tuple[str, ...] = ("michel_unnormalised", "michel", "taylor", "gates", "flap")
     recover: str = "lsq"
-    gate_steps: int = DEFAULT_STEPS
+    gate_steps: int = DEFAULT_STEPS  # the gates' training, as `headlab prune` trains them
+    gate_lr: float = DEFAULT_LR
+    gate_budget: str = DEFAULT_BUDGET
+    gate_batch: int = DEFAULT_BATCH
     seeds: tuple[int, ...] = (0, 1, 2)  # random scores' seeds, the bar's baseline
     # score validation: (bundled model, sequence length, token budget) per run
     validate: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 64, 1024),
@@ -86,7 +89,9 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None,
                    "stopped there chooses (ScheduleResult.plan_at); "
                    f"{' and '.join(JOINT)}, which choose across layers jointly, scored once "
                    "(gates trained toward that keep's number of heads, "
-                   f"{sizes.gate_steps} steps) and the top heads kept (headlab.select); "
+                   f"{sizes.gate_steps} steps of {sizes.gate_batch} blocks at lr "
+                   f"{sizes.gate_lr}, {sizes.gate_budget} budget) and the top heads kept "
+                   "(headlab.select); "
                    "the chosen heads removed (headlab.prune) and measured, then repaired "
                    f"from the same pruned model by headlab.recover(method='{sizes.recover}') "
                    f"on the scoring blocks (flap also by '{FLAP_REPAIR}', FLAP's bias "
@@ -154,7 +159,9 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
     def scored(name: str, kw: dict, n_keep: int):  # one scoring, timed
         t0 = time.perf_counter()
         scores = headlab.score(model, scoring, method=name, batch_size=sizes.batch, **kw,
-                               **({"target": n_keep, "gate_steps": sizes.gate_steps}
+                               **({"target": n_keep, "gate_steps": sizes.gate_steps,
+                                   "gate_lr": sizes.gate_lr, "gate_budget": sizes.gate_budget,
+                                   "gate_batch": sizes.gate_batch}
                                   if name in TARGETED else {}))
         if name in TARGETED:
             trained.append({k: scores.extra[k] for k in ("target", "expected_open",

@@ -90,8 +90,11 @@ MinmaxOpt = Annotated[bool, typer.Option(
 PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
 ProbesOpt = Annotated[int, typer.Option(help="Curvature probes per batch (taylor).")]
 GateStepsOpt = Annotated[int, typer.Option(
-    help="gates: steps training the head gates (one batch each; one passkey "
+    help="gates: steps training the head gates (--gate-batch blocks each; one passkey "
          "prompt each for --demote-by gates).")]
+GateBatchOpt = Annotated[int, typer.Option(
+    help="gates: calibration blocks per training step (each step is one update: fewer "
+         "blocks per step, more updates for the same tokens).")]
 GateLrOpt = Annotated[float, typer.Option(
     help="gates: learning rate of the gates and, unless --gate-lagrange-lr, of the "
          "Lagrangian's multipliers (and of --demote-by gates).")]
@@ -260,7 +263,8 @@ SCORING = (Opt("normalize", NormalizeOpt), Opt("global_minmax", MinmaxOpt, False
            Opt("gate_steps", GateStepsOpt, D["gate_steps"]),
            Opt("gate_lr", GateLrOpt, D["gate_lr"]),
            Opt("gate_lagrange_lr", GateLagrangeLrOpt),
-           Opt("gate_budget", GateBudgetOpt, D["gate_budget"]))
+           Opt("gate_budget", GateBudgetOpt, D["gate_budget"]),
+           Opt("gate_batch", GateBatchOpt, D["gate_batch"]))
 RECOVERY = (
     Opt("recover", Annotated[Recovery, typer.Option(
         help="Repair after pruning, on the scoring split: lsq refits each layer's output "

@@ -78,6 +78,7 @@ def score(
     gate_lr: float = gates.DEFAULT_LR,
     gate_lagrange_lr: float | None = None,
     gate_budget: str = gates.DEFAULT_BUDGET,
+    gate_batch: int = gates.DEFAULT_BATCH,
 ) -> HeadScores:
     """Score every present, unmasked head of ``model`` on ``blocks``.
 
@@ -95,9 +96,10 @@ def score(
     authors' code, instead of one per example. ``probes`` (taylor): backward passes per
     batch that estimate the curvature; ``seed`` seeds them (and ``random``).
     ``target`` (gates): how many units to keep, query heads or, with ``unit="kv-group"``,
-    GQA groups (one gate each); ``gate_steps`` AdamW steps at ``gate_lr`` train them,
-    and the Lagrangian's multipliers at ``gate_lagrange_lr`` (None: ``gate_lr``);
-    ``gate_budget="projection"`` holds them on the target by a shift instead
+    GQA groups (one gate each); ``gate_steps`` steps at ``gate_lr``, each on
+    ``gate_batch`` blocks (not ``batch_size``), train them; ``gate_budget="projection"``
+    holds them on the target by a shift after each step, ``"lagrangian"`` by CoFi's
+    multipliers, trained at ``gate_lagrange_lr`` (None: ``gate_lr``)
     (`headlab.importance.gates`).
     """
     if method not in METHODS:
@@ -119,7 +121,7 @@ def score(
         raise UserError(f"{method} trains toward a number of heads to keep: give a target "
                         "(--keep or --prune)")
     if method == "gates":
-        gates.check_options(gate_steps, gate_lr, gate_lagrange_lr, gate_budget)
+        gates.check_options(gate_steps, gate_lr, gate_lagrange_lr, gate_budget, gate_batch)
     extra: dict = {}
     if method in ("michel", "fisher", "taylor"):
         raw, n_tokens = _gradient_scores(model, blocks, batch_size, method=method,
@@ -128,10 +130,9 @@ def score(
                                          key=checkpoint_key)
     elif method == "gates":
         raw, n_tokens, extra = gates.train_gates(
-            model, blocks, batch_size, target=target, by_group=unit == "kv-group",
-            steps=gate_steps, lr=gate_lr, lagrange_lr=gate_lagrange_lr, budget=gate_budget,
-            seed=seed,
-            checkpoint=checkpoint, key=checkpoint_key)
+            model, blocks, target=target, by_group=unit == "kv-group", steps=gate_steps,
+            lr=gate_lr, lagrange_lr=gate_lagrange_lr, budget=gate_budget, batch=gate_batch,
+            seed=seed, checkpoint=checkpoint, key=checkpoint_key)
     elif method == "flap":
         raw, n_tokens = flap_scores(model, blocks, batch_size)
     elif method == "ablation":

@@ -5,22 +5,27 @@ stochastic gate z = min(1, max(0, s (r - l) + l)), s = sigmoid((log u - log(1 - 
 log_alpha) / beta), u ~ U(0, 1), with the temperature beta = 2/3 and the stretch
 (l, r) = (-0.1, 1.1), so that z is exactly 0 or 1 with positive probability and the
 probability that a gate is open, P(z != 0) = sigmoid(log_alpha - beta log(-l / r)), is
-differentiable. Every model weight stays frozen; the log_alphas train with AdamW on the
-calibration blocks to minimise the objective's distillation loss toward the model as it
-came (`Objective.distill_loss`: the KL to its next-token distribution for causal LMs)
-plus the Lagrangian of CoFi / Sheared-LLaMA,
+differentiable. Every model weight stays frozen; the log_alphas train on the calibration
+blocks, one block a step by default, to minimise the objective's distillation loss
+toward the model as it came (`Objective.distill_loss`: the KL to its next-token
+distribution for causal LMs) while the expected number of open gates E = sum_u
+P(z_u != 0) is held to a goal that falls linearly from all units to the target count
+over the first half of the steps (CoFi's warm-up). Two budgets hold it:
 
-    lambda1 (E - t) + lambda2 (E - t)^2,   E = sum_u P(z_u != 0) / U,  t = target / U,
+- ``projection`` (the default): each step moves the log_alphas by the loss's gradient
+  over its root mean square (a step that keeps the gradients' relative sizes, where
+  Adam's per-gate normalisation moves every gate by about the learning rate), then
+  shifts all of them by one constant so that E equals the goal exactly (the shift found
+  by bisection; E is monotone in it);
+- ``lagrangian``: AdamW steps on the loss plus CoFi / Sheared-LLaMA's Lagrangian
 
-whose multipliers train by gradient ascent, so the expected number of open gates is
-driven to the target count; the target falls linearly from all units to the count over
-the first half of the steps (CoFi's Lagrangian warm-up). With ``budget="projection"``
-there are no multipliers: each step moves the log_alphas by the distillation loss's
-gradient over its root mean square (a step that keeps the gradients' relative sizes,
-where Adam's per-gate normalisation moves every gate by about the learning rate), then
-shifts all of them by one constant so that E equals the warm-up's target exactly
-(the shift found by bisection; E is monotone in it). The learned log_alphas are the
-scores: selection keeps the heads (or groups) whose gates are the most open.
+      lambda1 (e - t) + lambda2 (e - t)^2,   e = E / U,  t = goal / U,
+
+  whose multipliers train by gradient ascent, driving E toward the goal (not onto it in
+  a given number of steps: a run that ends more than `TARGET_TOLERANCE` off warns).
+
+The learned log_alphas are the scores: selection keeps the heads (or groups) whose gates
+are the most open.
 """
 
 from __future__ import annotations
@@ -48,10 +53,11 @@ INIT_LOG_ALPHA = 3.0  # every gate starts open: P(open) = 0.99
 LOG_ALPHA_BOUNDS = (-10.0, 10.0)
 DEFAULT_STEPS = 100
 DEFAULT_LR = 0.1
+DEFAULT_BATCH = 1  # calibration blocks per step: the most updates for the tokens read
 TEACHER_SHARE = 0.25  # of the device's memory, at most, for the model's outputs kept
 TARGET_TOLERANCE = 0.02  # of the target: the Lagrangian has bound where E ends within it
 BUDGETS = ("lagrangian", "projection")  # how the expected number of open gates is held
-DEFAULT_BUDGET = "lagrangian"
+DEFAULT_BUDGET = "projection"  # the defaults' study: docs/prune-and-repair.md
 
 
 def p_open(log_alpha: torch.Tensor) -> torch.Tensor:
@@ -80,11 +86,13 @@ def ended(details: dict) -> str | None:
 
 
 def check_options(steps: int, lr: float, lagrange_lr: float | None = None,
-                  budget: str = DEFAULT_BUDGET) -> None:
+                  budget: str = DEFAULT_BUDGET, batch: int = DEFAULT_BATCH) -> None:
     if budget not in BUDGETS:
         raise UserError(f"--gate-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
     if steps < 1:
         raise UserError(f"--gate-steps must be at least 1 training step, got {steps}")
+    if batch < 1:
+        raise UserError(f"--gate-batch must be at least 1 block per step, got {batch}")
     for flag, value in (("--gate-lr", lr), ("--gate-lagrange-lr", lagrange_lr)):
         if value is not None and (not value > 0 or not math.isfinite(value)):
             raise UserError(f"{flag} must be a positive learning rate, got {value}")
@@ -202,15 +210,17 @@ class _Teacher:
         return out
 
 
-def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: int,
-                by_group: bool = False, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
-                lagrange_lr: float | None = None, budget: str = DEFAULT_BUDGET, seed: int = 0,
+def train_gates(model: HeadModel, blocks: Blocks, *, target: int, by_group: bool = False,
+                steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
+                lagrange_lr: float | None = None, budget: str = DEFAULT_BUDGET,
+                batch: int = DEFAULT_BATCH, seed: int = 0,
                 checkpoint: Checkpoint | None = None, key: str = "gates"
                 ) -> tuple[list[torch.Tensor], int, dict]:
-    """Train the gates of ``model``'s active heads toward ``target`` open units, the
-    gates at ``lr``, the Lagrangian's multipliers at ``lagrange_lr`` (None: ``lr``, as
-    Sheared-LLaMA shares one rate between them); or, with ``budget="projection"``, by
-    normalised gradient steps of ``lr`` held on the target by a shift (module docstring).
+    """Train the gates of ``model``'s active heads toward ``target`` open units, each
+    step on the next ``batch`` blocks (cycling through them), the gates at ``lr``, the
+    Lagrangian's multipliers at ``lagrange_lr`` (None: ``lr``, as Sheared-LLaMA shares
+    one rate between them); or, with ``budget="projection"``, by normalised gradient
+    steps of ``lr`` held on the target by a shift (module docstring).
 
     ``blocks`` is this rank's shard; under torchrun data parallel the gates' gradients
     are averaged over ranks. Returns per layer the log_alpha of each present head (its
@@ -218,7 +228,7 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
     training ended at (``expected_open``, ``target_met``: whether that is within
     `TARGET_TOLERANCE` of the target, warned of where not; ``loss``, the multipliers).
     """
-    check_options(steps, lr, lagrange_lr, budget)
+    check_options(steps, lr, lagrange_lr, budget, batch)
     lagrange_lr = lr if lagrange_lr is None else lagrange_lr
     unit_of, n_units = _units(model, by_group)
     what = "groups" if by_group else "heads"
@@ -228,12 +238,14 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
     objective = objective_for(model)
     device = model.device
     log_alpha = torch.full((n_units,), INIT_LOG_ALPHA, requires_grad=True)
-    lambdas = torch.zeros(2, requires_grad=True)  # lambda1, lambda2
-    gate_opt = torch.optim.AdamW([log_alpha], lr=lr, weight_decay=0.0)
-    # ascent: the multipliers maximise what the gates minimise
-    lambda_opt = torch.optim.AdamW([lambdas], lr=lagrange_lr, weight_decay=0.0,
-                                   maximize=True)
-    batches = list(blocks.batches(batch_size))
+    lagrangian = budget == "lagrangian"
+    lambdas = torch.zeros(2, requires_grad=True)  # lambda1, lambda2: the Lagrangian's
+    optimisers = {"gate_opt": torch.optim.AdamW([log_alpha], lr=lr, weight_decay=0.0),
+                  # ascent: the multipliers maximise what the gates minimise
+                  "lambda_opt": torch.optim.AdamW([lambdas], lr=lagrange_lr,
+                                                  weight_decay=0.0, maximize=True),
+                  } if lagrangian else {}  # projection steps by hand
+    batches = list(blocks.batches(batch))
     start, n_tokens = 0, 0
     saved = checkpoint.get(key) if checkpoint is not None else None
     if saved is not None:
@@ -241,16 +253,15 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
         with torch.no_grad():
             log_alpha.copy_(saved["log_alpha"])
             lambdas.copy_(saved["lambdas"])
-        gate_opt.load_state_dict(saved["gate_opt"])
-        lambda_opt.load_state_dict(saved["lambda_opt"])
+        for name, opt in optimisers.items():
+            opt.load_state_dict(saved[name])
     status = {"loss": math.nan, "open": float(p_open(log_alpha.detach()).sum())}
 
     def save(done: int) -> None:
         checkpoint.put(key, {"step": done, "n_tokens": n_tokens,
                              "log_alpha": log_alpha.detach().clone(),
                              "lambdas": lambdas.detach().clone(),
-                             "gate_opt": gate_opt.state_dict(),
-                             "lambda_opt": lambda_opt.state_dict()})
+                             **{name: opt.state_dict() for name, opt in optimisers.items()}})
 
     warmup = max(1, steps // 2)
     teacher = _Teacher(model, objective, batches)
@@ -272,19 +283,18 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
         distill = objective.distill_loss(model, s_out, model, t_out, batch, 1.0)
         goal = n_units - (n_units - target) * min(1.0, (step + 1) / warmup)
         loss = distill
-        if budget == "lagrangian":
+        if lagrangian:
             gap = (p_open(log_alpha).sum() - goal) / n_units
             loss = loss + lambdas[0] * gap + lambdas[1] * gap.pow(2)
-        gate_opt.zero_grad()
-        lambda_opt.zero_grad()
+        log_alpha.grad = lambdas.grad = None
         loss.backward()
         if not torch.isfinite(distill):
             raise FloatingPointError("non-finite loss while training gates; see "
                                      "--dtype float32")
         log_alpha.grad = mean_over_ranks(log_alpha.grad)
-        if budget == "lagrangian":
-            gate_opt.step()
-            lambda_opt.step()
+        if lagrangian:
+            for opt in optimisers.values():
+                opt.step()
             with torch.no_grad():
                 log_alpha.clamp_(*LOG_ALPHA_BOUNDS)
         else:
@@ -314,11 +324,12 @@ def train_gates(model: HeadModel, blocks: Blocks, batch_size: int, *, target: in
                     "after %d steps (%s); the %d with the largest log alpha are kept. More "
                     "--gate-steps or %s --gate-lagrange-lr trains them nearer the target, "
                     "which does not always choose better heads (docs/prune-and-repair.md, "
-                    "'When the gates miss their target')", expected, what, target, steps,
+                    "'When the Lagrangian misses its target')", expected, what, target, steps,
                     why, target, move)
-    extra = {"steps": steps, "lr": lr, "budget": budget, "target": target,
-             "lagrange_lr": lagrange_lr if budget == "lagrangian" else None,
+    extra = {"steps": steps, "lr": lr, "budget": budget, "batch": batch, "target": target,
+             "lagrange_lr": lagrange_lr if lagrangian else None,
              "unit": "kv-group" if by_group else "head", "expected_open": expected,
              "target_met": target_met,
-             "loss": status["loss"], "lambdas": lambdas.detach().tolist()}
+             "loss": status["loss"],
+             "lambdas": lambdas.detach().tolist() if lagrangian else None}
     return raw, int(n_tokens), extra

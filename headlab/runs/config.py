@@ -22,6 +22,7 @@ from headlab.errors import UserError
 from headlab.importance import METHODS, PER_TOKEN_METHODS, TARGETED
 from headlab.importance.duo import DEFAULT_REG as GATE_REG
 from headlab.importance.duo import check_reg as check_gate_reg
+from headlab.importance.gates import DEFAULT_BATCH as GATE_BATCH
 from headlab.importance.gates import DEFAULT_BUDGET as GATE_BUDGET
 from headlab.importance.gates import DEFAULT_LR as GATE_LR
 from headlab.importance.gates import DEFAULT_STEPS as GATE_STEPS
@@ -87,6 +88,7 @@ class RunConfig:
     gate_lr: float = GATE_LR  # gates: their learning rate (and the multipliers')
     gate_lagrange_lr: float | None = None  # gates: the multipliers' rate; None: gate_lr
     gate_budget: str = GATE_BUDGET  # gates: how E is held to the target (gates.BUDGETS)
+    gate_batch: int = GATE_BATCH  # gates: calibration blocks per training step
     gate_reg: float = GATE_REG  # --demote-by gates: weight of the L1 penalty on the gates
     device: str = "auto"
     dtype: str = "float32"
@@ -171,7 +173,7 @@ class RunConfig:
             raise UserError(f"--method {self.method} trains toward a number of heads to "
                             "keep: give --keep FRACTION or --prune N")
         check_gate_options(self.gate_steps, self.gate_lr, self.gate_lagrange_lr,
-                           self.gate_budget)
+                           self.gate_budget, self.gate_batch)
         check_gate_reg(self.gate_reg)
         self._check_kv_cache()
         if self.schedule not in SCHEDULES:
