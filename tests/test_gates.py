@@ -194,8 +194,11 @@ def test_bad_options_say_so(tiny_gpt2, blocks, kwargs, message):
         score(tiny_gpt2, blocks, method="gates", batch_size=4, **kwargs)
 
 
-@pytest.mark.parametrize(("steps", "met"), [(200, True), (2, False)])
-def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, met):
+@pytest.mark.parametrize(("steps", "budget", "met"), [
+    (20, [], True),  # projection, the default, ends on the target
+    (2, ["--gate-budget", "lagrangian", "--gate-batch", "4"], False),  # too few steps
+])
+def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, budget, met):
     """`headlab prune --method gates` keeps the training's end in results.json
     (``scoring_details``), says it in the summary and in the report's facts; a file
     read back renders the same line."""
@@ -212,8 +215,7 @@ def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, met
     r = CliRunner().invoke(app, ["prune", "--model", str(tiny_gpt2_dir), "--method", "gates",
                                  "--keep", "0.25", "--gate-steps", str(steps), "--seq-len",
                                  str(S), "--max-tokens", str(8 * S), "--batch-size", "4",
-                                 "--gate-budget", "lagrangian", "--gate-batch", "4",
-                                 "--recover", "none", "--out", str(out), "--json"])
+                                 *budget, "--recover", "none", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     written = json.loads((out / "results.json").read_text())
     details = written["scoring_details"]
