@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from generated_block import update  # noqa: E402
+from schedule_study import gates_options  # noqa: E402
 
 from headlab._util.units import human_bytes  # noqa: E402
 from headlab.bench._common import against  # noqa: E402
@@ -302,13 +303,12 @@ def gates_variant(variant: str) -> tuple[str, str, int]:
     """A schedule_study gates variant (``gates:STEPS:LR[:RATE|:projection][:bN][:sN]``)
     as (the training, its ``--gate-budget``, its seed): the variants that differ in the
     seed alone are one training."""
-    _, steps, lr, *rest = variant.split(":")
-    seed = int(rest.pop()[1:]) if rest and rest[-1][:1] == "s" else 0
-    blocks = rest.pop()[1:] if rest and rest[-1][:1] == "b" else None
-    per_step = "" if blocks is None else f", {blocks} block{'' if blocks == '1' else 's'} a step"
-    rate = f", multipliers at {rest[0]}" if rest and rest != ["projection"] else ""
-    return (f"{steps} steps at lr {lr}{rate}{per_step}",
-            "projection" if rest == ["projection"] else "lagrangian", seed)
+    o = gates_options(variant)
+    rate = "" if o["gate_lagrange_lr"] is None else f", multipliers at {o['gate_lagrange_lr']}"
+    b = o["gate_batch"]
+    per_step = "" if b is None else f", {b} block{'' if b == 1 else 's'} a step"
+    return f"{o['gate_steps']} steps at lr {o['gate_lr']}{rate}{per_step}", o["gate_budget"], \
+        o["seed"]
 
 
 def _gates_study(studies: list[dict]) -> list[str]:
@@ -319,23 +319,27 @@ def _gates_study(studies: list[dict]) -> list[str]:
             "expected open (target) | pruned | after `lsq` | seconds |",
             "|---|---|---|---|---|---|---|---|"]
 
-    def cell(xs: list[float]) -> str:
-        mean = f"{sum(xs) / len(xs):.1f}"
-        return mean if len(xs) == 1 else f"{mean} ({', '.join(f'{x:.1f}' for x in xs)})"
+    def mean(rs: list[dict], key: str) -> float:
+        return sum(r[key] for r in rs) / len(rs)
+
+    def cell(rs: list[dict], key: str) -> str:  # the mean, and each seed's beside it
+        each = "" if len(rs) == 1 else f" ({', '.join(f'{r[key]:.1f}' for r in rs)})"
+        return f"{mean(rs, key):.1f}{each}"
 
     for run in studies:
-        trainings: dict[tuple[str, str], list[dict]] = {}
+        trainings: dict[tuple[str, str], list[tuple[int, dict]]] = {}  # -> (seed, row)
         for r in run["rows"]:
             if r["variant"].startswith("gates:"):
-                training, budget, _ = gates_variant(r["variant"])
-                trainings.setdefault((training, budget), []).append(r)
+                training, budget, seed = gates_variant(r["variant"])
+                trainings.setdefault((training, budget), []).append((seed, r))
         name = f"{run['model']} ({run['before']:.1f})"
-        for (training, budget), rs in trainings.items():
-            seeds = ", ".join(str(gates_variant(r["variant"])[2]) for r in rs)
-            rows.append(f"| {name} | {training} | `{budget}` | {seeds} | "
-                        f"{sum(r['expected_open'] for r in rs) / len(rs):.1f} ({run['target']}) | "
-                        f"{cell([r['pruned'] for r in rs])} | {cell([r['lsq'] for r in rs])} | "
-                        f"{sum(r['score_s'] for r in rs) / len(rs):.0f} |")
+        for (training, budget), seeded in trainings.items():
+            rs = [r for _, r in seeded]
+            rows.append(f"| {name} | {training} | `{budget}` | "
+                        f"{', '.join(str(s) for s, _ in seeded)} | "
+                        f"{mean(rs, 'expected_open'):.1f} ({run['target']}) | "
+                        f"{cell(rs, 'pruned')} | {cell(rs, 'lsq')} | "
+                        f"{mean(rs, 'score_s'):.0f} |")
             name = ""
     return rows
 

@@ -32,6 +32,22 @@ DEFAULT_VARIANTS = ("one-shot:0.1:1", "one-shot:0.1:4", "iterative:0.2:1", "iter
                     "iterative:0.1:1", "iterative:0.1:4", "iterative:0.05:1")
 
 
+def gates_options(variant: str) -> dict:
+    """A gates variant, ``gates:STEPS:LR[:RATE|:projection][:bN][:sN]``, as the options
+    of headlab.score: ``gate_steps``, ``gate_lr``, ``gate_budget``, ``gate_lagrange_lr``
+    (None: ``gate_lr``), ``gate_batch`` (None: the default) and ``seed``."""
+    _, steps, lr, *rest = variant.split(":")
+    tail = {}  # b<N>: the blocks per step, s<N>: the seed, from the end
+    while rest and rest[-1][:1] in ("b", "s") and rest[-1][1:].isdigit():
+        field = rest.pop()
+        tail[field[0]] = int(field[1:])
+    projection = rest == ["projection"]
+    return {"gate_steps": int(steps), "gate_lr": float(lr),
+            "gate_budget": "projection" if projection else "lagrangian",
+            "gate_lagrange_lr": float(rest[0]) if rest and not projection else None,
+            "gate_batch": tail.get("b"), "seed": tail.get("s", 0)}
+
+
 def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: int = 4096,
           judge_tokens: int = 8192, keep: float = 0.6, batch_size: int = 4) -> dict:
     """``{"model", "before", "rows": [{"variant", "pruned", "lsq", "score_s", "lsq_s",
@@ -59,17 +75,9 @@ def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: i
         kind, *options = variant.split(":")
         t0 = time.perf_counter()
         if kind == "gates":
-            steps, lr, *rest = options
-            tail = {}  # b<N>: the blocks per step, s<N>: the seed, from the end
-            while rest and rest[-1][:1] in ("b", "s") and rest[-1][1:].isdigit():
-                field = rest.pop()
-                tail[field[0]] = int(field[1:])
-            budget = {"gate_budget": "projection"} if rest == ["projection"] else {
-                "gate_budget": "lagrangian", "gate_lagrange_lr": float(rest[0]) if rest else None}
+            given = {k: v for k, v in gates_options(variant).items() if v is not None}
             scores = headlab.score(model, scoring, method="gates", batch_size=batch_size,
-                                   target=n_keep, gate_steps=int(steps), gate_lr=float(lr),
-                                   seed=tail.get("s", 0), **budget,
-                                   **({"gate_batch": tail["b"]} if "b" in tail else {}))
+                                   target=n_keep, **given)
             plan, scorings = headlab.select(scores, n_keep), 1
             trained = {"expected_open": scores.extra["expected_open"]}
         else:

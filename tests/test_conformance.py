@@ -217,14 +217,17 @@ def test_scores(family, loaded, scoring_blocks):
         _check_curvature_probes(model, next(iter(scoring_blocks(family).batches(4))))
     for method in METHODS:
         target = {"target": model.n_layers} if method in TARGETED else {}  # gates
-        t = score(model, scoring_blocks(family), method=method, batch_size=4, probes=1,
-                  gate_steps=4, **target).tensor()
+        s = score(model, scoring_blocks(family), method=method, batch_size=4, probes=1,
+                  gate_steps=4, **target)
+        t = s.tensor()
         assert t.shape == (model.n_layers, model.n_original_heads), method
         assert bool(torch.isfinite(t).all()), method
-    held = score(model, scoring_blocks(family), method="gates", batch_size=4, gate_steps=4,
-                 target=model.n_layers, gate_budget="projection")  # on the target exactly
-    assert bool(torch.isfinite(held.tensor()).all())
-    assert held.extra["expected_open"] == pytest.approx(model.n_layers, rel=1e-6)
+        if method in TARGETED:  # the default budget, projection: on the target exactly
+            assert s.extra["budget"] == "projection", method
+            assert s.extra["expected_open"] == pytest.approx(model.n_layers, rel=1e-6)
+    lagrangian = score(model, scoring_blocks(family), method="gates", batch_size=4,
+                       gate_steps=4, target=model.n_layers, gate_budget="lagrangian")
+    assert bool(torch.isfinite(lagrangian.tensor()).all())
 
 
 def _check_curvature_probes(model, batch) -> None:

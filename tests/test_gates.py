@@ -25,7 +25,7 @@ from headlab.objectives import make_blocks, prepare
 from headlab.selection import select
 
 S = 24
-# CoFi's multipliers, each step on two batches' blocks
+# CoFi's multipliers, four blocks a step: the settings these tests' step counts assume
 LAGRANGIAN = {"gate_budget": "lagrangian", "gate_batch": 4}
 
 
