@@ -124,10 +124,14 @@ def test_score_prints_top_heads_and_where_the_scores_are(capsys):
 
 
 def test_latency_in_human_units(capsys):
-    from headlab._util.units import human_ms
+    from headlab._util.units import human_bytes, human_ms
     from headlab.cli.common import print_summary
 
+    assert [human_bytes(v) for v in (640, 999.6, 9200, 999_600, 2.5e9)] == [
+        "640 B", "1 KB", "9.2 KB", "1 MB", "2.5 GB"]
     assert [human_ms(v) for v in (12.34, 26060.0, 180_000.0)] == ["12.3 ms", "26.1 s", "3 min"]
+    # where a value rounds to the next unit it is written in that unit, never as 1e+03
+    assert [human_ms(v) for v in (999.7, 59_990.0)] == ["1 s", "1 min"]
     print_summary(_summary(heads_kept=36, params_after=5 * 10**6, quality_after=25.0,
                            latency_ms_before=26060.0, latency_ms_after=850.0),
                   json_mode=False, quiet=False)
