@@ -44,13 +44,14 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# the fast suite (plain pytest, under 10 minutes on 2 cores; real-model quality bars
-# included, and every Python and shell block of README.md and docs/: tests/test_docs.py),
-# then the slow end-to-end tests: resume after SIGKILL, recipes, notebook, torchrun, the
+# the fast suite (plain pytest, a worker per core: under 10 minutes on 2 cores;
+# real-model quality bars included, and every Python and shell block of README.md and
+# docs/: tests/test_docs.py), then the slow end-to-end tests one at a time (-n 0: they
+# start processes of their own): resume after SIGKILL, recipes, notebook, torchrun, the
 # documentation's longer blocks
 test: setup browser lint docs
 	$(BIN)/python -m pytest -q
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow -n 0
 
 # without the passive wait exported above: the decoding kernel splits each small product
 # across the OpenMP threads, and a thread that sleeps between them wakes too late

@@ -10,6 +10,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N (pyproject's addopts): the N workers share the cores, so each runs
+    # torch on one thread, and so do the headlab processes its tests start
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
