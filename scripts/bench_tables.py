@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,9 @@ GATES_STUDIES = ROOT / "reports" / "bench" / "schedule-study"  # gates-<model>.j
 METHOD_COLUMNS = {"michel_unnormalised": "michel `--no-normalize`", "michel": "michel",
                   "taylor": "taylor (default)", "gates": "gates", "flap": "flap",
                   "random": "random, 3 seeds"}
+# the scores that gate heads (the count table's rows), as `--method` names them
+GATE_BASED = {"taylor": "`taylor`", "gates": "`gates`",
+              "michel_unnormalised": "`michel --no-normalize`", "michel": "`michel`"}
 
 
 def _num(x: float | None) -> str:
@@ -288,8 +292,37 @@ def _methods(d: dict) -> list[str]:
             rows.append(f"| {model} ({metric} {_quality(g['before'], metric)}) | "
                         f"{keep:g} ({heads}) | " + " | ".join(cells) + " |")
     c = d.get("config", {})
-    rows += ["", f"The gates were trained {c['gate_steps']} steps of {c['gate_batch']} blocks "
-             f"at lr {c['gate_lr']} with the `{c['gate_budget']}` budget."]
+    rows += ["", f"The gates were trained {c['gate_steps']} steps of {c['gate_batch']} "
+             f"block{'' if c['gate_batch'] == 1 else 's'} at lr {c['gate_lr']} with the "
+             f"`{c['gate_budget']}` budget."]
+    return rows + ["", *_counts(grids)]
+
+
+def _counts(grids: list[tuple[str, dict]]) -> list[str]:
+    """What each gate-based score loses after lsq as a multiple of the least any of them
+    loses in the same cell (model, keep): in how many cells it is the least, the
+    geometric mean and the worst of the multiples, and its scoring seconds over michel's
+    on each model (one scoring of the unpruned model)."""
+    cells = [(model, keep, {m: next(r["lost"][i] for r in g["rows"]
+                                    if (r["method"], r["repair"]) == (m, "lsq"))
+                            for m in GATE_BASED})
+             for model, g in grids for i, keep in enumerate(g["keeps"])]
+    rows = [f"Counting what each gate-based score loses after `lsq` as a multiple of the "
+            f"least any of them loses in the same cell ({len(cells)} cells: "
+            f"{len(grids)} models, {len(grids[0][1]['keeps'])} keeps):", "",
+            "| `--method` | least in | geometric mean | worst | scoring seconds / michel's ("
+            + ", ".join(model for model, _ in grids) + ") |", "|---|---|---|---|---|"]
+    for m, name in GATE_BASED.items():
+        multiples = [(lost[m] / min(lost.values()), model, keep)
+                     for model, keep, lost in cells]
+        least = sum(x == 1.0 for x, _, _ in multiples)
+        geo = math.exp(sum(math.log(x) for x, _, _ in multiples) / len(multiples))
+        worst = max(multiples)
+        seconds = ("michel's pass, unnormalised" if m not in grids[0][1]["seconds"] else
+                   ", ".join(f"{g['seconds'][m] / g['seconds']['michel']:.1f}"
+                             for _, g in grids))
+        rows.append(f"| {name} | {least} of {len(cells)} | {geo:.2f}x | {worst[0]:.2f}x "
+                    f"({worst[1]}, keep {worst[2]:g}) | {seconds} |")
     return rows
 
 

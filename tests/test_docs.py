@@ -238,6 +238,25 @@ def test_bench_tables_script_rewrites_and_checks(tmp_path):
     assert tables.main([str(page), "--check", *args]) == 1
 
 
+def test_count_table_counts_least_geometric_mean_and_worst_of_each_score():
+    """Two models, one keep: taylor least in one cell, gates 2x and 1/2x it."""
+    tables = script("bench_tables")
+
+    def grid(lost: dict[str, float], seconds: dict[str, float]) -> dict:
+        rows = [{"method": m, "repair": "lsq", "lost": [x]} for m, x in lost.items()]
+        return {"keeps": [0.6], "rows": rows, "seconds": seconds}
+
+    grids = [("a", grid({"taylor": 1.0, "gates": 2.0, "michel_unnormalised": 4.0,
+                         "michel": 4.0}, {"michel": 10.0, "taylor": 20.0, "gates": 5.0})),
+             ("b", grid({"taylor": 2.0, "gates": 1.0, "michel_unnormalised": 2.0,
+                         "michel": 8.0}, {"michel": 10.0, "taylor": 30.0, "gates": 40.0}))]
+    rows = {r.split(" | ")[0]: r for r in tables._counts(grids) if r.startswith("| `")}
+    assert rows["| `taylor`"] == "| `taylor` | 1 of 2 | 1.41x | 2.00x (b, keep 0.6) | 2.0, 3.0 |"
+    assert rows["| `gates`"] == "| `gates` | 1 of 2 | 1.41x | 2.00x (a, keep 0.6) | 0.5, 4.0 |"
+    assert rows["| `michel`"].startswith("| `michel` | 0 of 2 | 5.66x | 8.00x (b, keep 0.6)")
+    assert "michel's pass" in rows["| `michel --no-normalize`"]
+
+
 def test_shell_quoting_in_blocks_is_bash():
     """Each shell command is handed to bash whole; one that shlex cannot split is a typo."""
     for page in PAGES:
