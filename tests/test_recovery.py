@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from scipy.sparse.linalg import lsmr
 from torch.testing import assert_close
 
 import headlab
@@ -304,16 +305,16 @@ def test_lsq_at_the_default_ridge_equals_float64_numpy(family):
 def _kwon_scales(a: np.ndarray, b: np.ndarray, constant: bool) -> np.ndarray:
     """Kwon et al.'s scales from their design matrix A (N*E, K) and target vec B (N*E,),
     float64: a constant column appended (attention), the normal equations G = A^T A,
-    r = A^T B, then their lsmr_cupy_solver's problem, the deviation from 1 with damping
-    1, as one stacked least-squares problem: [G; I] u ~ [r - G 1; 0]; scales 1 + u,
-    the constant's dropped."""
+    r = A^T B, then their lsmr_cupy_solver (utils/linalg.py) as written, scipy's lsmr in
+    place of cupyx's port of it: lsmr(G, r - G 1, damp=1), scales 1 + x, the constant's
+    dropped; None where it reports failure (istop 3 and up), which stops their loop."""
     if constant:
         a = np.concatenate([a, np.ones((len(a), 1))], axis=1)
     g, r = a.T @ a, a.T @ b
-    k = g.shape[0]
-    u = np.linalg.lstsq(np.concatenate([g, np.eye(k)]),
-                        np.concatenate([r - g.sum(1), np.zeros(k)]), rcond=None)[0]
-    return (1 + u)[:k - 1] if constant else 1 + u
+    x, istop = lsmr(g, r - g.sum(1), damp=1)[:2]
+    if istop >= 3:
+        return None
+    return (1 + x)[:-1] if constant else 1 + x
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -321,7 +322,8 @@ def test_rescale_equals_kwons_equations_in_numpy(family):
     """rescale's head scales (layers after 0) and neuron scales (every layer) are Kwon
     et al.'s: the residual target Y - b, one constant column for attention, fitted on
     the pruned stream its earlier layers (and, for the MLP, this layer's attention)
-    already rescaled, from the activations captured again (`_layer_activations`)."""
+    already rescaled, from the activations captured again (`_layer_activations`), and
+    solved by their solver; from the first solve it reports failed on, nothing moves."""
     build, plan = MODELS[family]
     # weights large enough that the normal equations outweigh LSMR's damping 1 (at the
     # default init the scales stay within 1e-5 of 1)
@@ -329,6 +331,7 @@ def test_rescale_equals_kwons_equations_in_numpy(family):
     model, original = _pruned(reference, plan), _pruned(reference, plan)
     recover(model, reference, blocks, method="rescale")
     D = model.head_dim
+    fitted, stopped = [], False
     for layer, attn in enumerate(model.attentions):
         fit = _layer_activations(model, reference, blocks, layer)
         old = original.attentions[layer].o_proj
@@ -337,33 +340,76 @@ def test_rescale_equals_kwons_equations_in_numpy(family):
         new = attn.o_proj.weight.detach().double().view(E, H, D)
         b = (torch.zeros(E, dtype=torch.float64) if old.bias is None
              else old.bias.detach().double())
-        if layer == 0:  # Kwon et al.: layer_idx != 0
-            assert torch.equal(new, w.view(E, H, D))
-        else:
+        if layer > 0 and not stopped:  # Kwon et al.: layer_idx != 0
             z = fit["x"][:, :-1].view(-1, H, D)  # (N, H, D)
             p = torch.einsum("nhd,ehd->hne", z, w.view(E, H, D)).reshape(H, -1)
             target = (fit["y"] - b).reshape(-1).numpy()  # (N*E,)
             expected = _kwon_scales(p.T.numpy(), target, constant=True)  # (H,)
-            assert np.abs(expected - 1).max() > 1e-3  # the fit moved them
+            stopped = expected is None
+        if layer == 0 or stopped:
+            assert torch.equal(new, w.view(E, H, D))
+        else:
             ours = (new / w.view(E, H, D)).mean((0, 2)).numpy()
             assert_close(new, w.view(E, H, D) * torch.from_numpy(ours)[None, :, None],
                          rtol=1e-6, atol=0)  # one scale per head
             assert np.abs(ours - expected).max() < 1e-5
-            # the bias stays
-            assert (attn.o_proj.bias is None) == (old.bias is None)
+            fitted.append(np.abs(expected - 1).max())
+        assert (attn.o_proj.bias is None) == (old.bias is None)  # the bias stays
 
         down = model.blocks[layer].mlp.get_submodule(model.mlp_down.split(".", 1)[1])
         old_down = original.blocks[layer].mlp.get_submodule(model.mlp_down.split(".", 1)[1])
         wd = old_down.weight.detach().double()  # (E, F)
-        bd = (torch.zeros(E, dtype=torch.float64) if old_down.bias is None
-              else old_down.bias.detach().double())
-        act = fit["act"]  # (N, F)
-        p = (act[:, :, None] * wd.T[None]).permute(1, 0, 2).reshape(act.shape[1], -1)
-        expected = _kwon_scales(p.T.numpy(), (fit["y_down"] - bd).reshape(-1).numpy(),
-                                constant=False)  # (F,)
-        assert np.abs(expected - 1).max() > 1e-3
-        ours = (down.weight.detach().double() / wd).mean(0).numpy()
-        assert np.abs(ours - expected).max() < 1e-5
+        if not stopped:
+            bd = (torch.zeros(E, dtype=torch.float64) if old_down.bias is None
+                  else old_down.bias.detach().double())
+            act = fit["act"]  # (N, F)
+            p = (act[:, :, None] * wd.T[None]).permute(1, 0, 2).reshape(act.shape[1], -1)
+            expected = _kwon_scales(p.T.numpy(), (fit["y_down"] - bd).reshape(-1).numpy(),
+                                    constant=False)  # (F,)
+            stopped = expected is None
+        if stopped:
+            assert torch.equal(down.weight.detach().double(), wd)
+        else:
+            ours = (down.weight.detach().double() / wd).mean(0).numpy()
+            assert np.abs(ours - expected).max() < 1e-5
+            fitted.append(np.abs(expected - 1).max())
+    assert fitted and max(fitted) > 1e-3  # some fit moved its scales
+
+
+def test_rescale_head_system_is_kwons_normal_equations(monkeypatch):
+    """The system one layer's head scales are solved from, built from X^T X, X^T Y and
+    W_O, is Kwon's: G = A^T A and r = A^T vec(Y - b) for A = [vec z_h W_h^T, ..., 1]
+    (N*E, H + 1), in float64 numpy; the solver's answer is folded into W_O's columns."""
+    from headlab.recovery import rescale
+
+    model = _pruned(_llama(initializer_range=0.1), LLAMA_PLAN)
+    attn = model.attentions[1]
+    gen = torch.Generator().manual_seed(0)
+    H, D, E = attn.n_heads, attn.head_dim, attn.d_model
+    z, y = torch.randn(60, H, D, generator=gen), torch.randn(60, E, generator=gen)
+    seen = {}
+
+    def solver(gram, rhs):
+        seen.update(gram=gram, rhs=rhs)
+        return torch.linspace(0.5, 1.5, H + 1, dtype=torch.float64)
+
+    monkeypatch.setattr(rescale, "damped_scales", solver)
+    fit = rescale.Rescale(attn, rescale.Stop())
+    fit.pruned(z[:25], y[:25])
+    fit.pruned(z[25:], y[25:])
+    w_new, bias = fit.solve()
+    w = attn.o_proj.weight.detach().double().numpy().reshape(E, H, D)
+    b = (np.zeros(E) if attn.o_proj.bias is None
+         else attn.o_proj.bias.detach().double().numpy())
+    per_head = np.einsum("nhd,ehd->hne", z.double().numpy(), w).reshape(H, -1)  # (H, N*E)
+    a = np.concatenate([per_head.T, np.ones((per_head.shape[1], 1))], axis=1)
+    target = (y.double().numpy() - b).reshape(-1)
+    np.testing.assert_allclose(seen["gram"].numpy(), a.T @ a, rtol=1e-9)
+    np.testing.assert_allclose(seen["rhs"].numpy(), a.T @ target, rtol=1e-9, atol=1e-9)
+    scales = np.linspace(0.5, 1.5, H + 1)[:H]  # the constant's dropped
+    np.testing.assert_allclose(w_new.numpy().reshape(E, H, D), w * scales[None, :, None],
+                               rtol=1e-12)
+    assert bias is None  # the bias stays
 
 
 def test_rescale_stops_at_the_first_scale_out_of_bounds(monkeypatch):

@@ -18,17 +18,23 @@ The MLP (every layer): with a_f (N) neuron f's input to the down projection and 
 (E) its column, A = [vec a_1 w_1^T, ...] (N*E, F), no constant.
 
 Both are solved as Kwon's ``lsmr_cupy_solver`` does: on the normal equations
-G = A^T A, r = A^T vec B, for the deviation from 1 with LSMR's damping 1,
+G = A^T A, r = A^T vec B, for the deviation from 1, by LSMR with damping 1 and its
+default stopping rules (scipy's, of which cupyx's is a port: tolerances 1e-6, condition
+limit 1e8, at most P iterations),
 
-    u = argmin ||G u - (r - G 1)||^2 + ||u||^2,   scales = 1 + u
+    u ~ argmin ||G u - (r - G 1)||^2 + ||u||^2,   scales = 1 + u
 
-(computed here exactly, by an eigendecomposition of G, where LSMR iterates toward it).
-The constant is dropped; the scales are folded into the columns of W_O or of the down
-projection, biases kept. A solve that fails, or any scale outside [-10, 10], stops
-the rescaling: that sublayer and every later one are left as they are. One safeguard
-is headlab's own: scales that, without the constant, would fit B worse than all ones
-do are not installed (that sublayer only is left as it is), so no sublayer's error
-rises.
+LSMR's stopping is part of the method: it ends where the residual meets the tolerances,
+before the small eigenvalues of G are resolved, and on an MLP's ill-conditioned G the
+exact minimiser can lie far from that point and fit held-out text far worse
+(docs/prune-and-repair.md). As in Kwon's code, a solve that ends for any other reason
+(istop 3 and up: the condition limit, or the iterations spent) has failed. The sums
+are float64 here (Kwon's are float32). The constant is dropped; the scales are folded into the columns of W_O or of
+the down projection, biases kept. A failed solve, or any scale outside [-10, 10],
+stops the rescaling: that sublayer and every later one are left as they are. One
+safeguard is headlab's own: scales that, without the constant, would fit B worse than
+all ones do are not installed (that sublayer only is left as it is), so no sublayer's
+error rises.
 
 G and r come from X^T X and X^T Y summed over batches (X = [z, 1] or [a, 1]), never
 forming A: G_hg = sum_{d,e} (X^T X)[hd, ge] (W^T W)[hd, ge], and so on below.
@@ -54,19 +60,20 @@ class Stop:
 
 
 def damped_scales(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor | None:
-    """1 + argmin_u ||G u - (r - G 1)||^2 + ||u||^2 for G (P, P) symmetric, r (P,),
-    in float64; None if the decomposition fails or gives non-finite values."""
+    """1 + u, u LSMR's solution of G u ~ r - G 1 with damping 1 (see the module
+    docstring), for G (P, P) symmetric, r (P,), in float64; None if the solve failed
+    (LSMR's istop 3 and up, as Kwon's ``solution[1] < 3``) or gave non-finite values."""
+    from scipy.sparse.linalg import lsmr
+
     if not (bool(torch.isfinite(gram).all()) and bool(torch.isfinite(rhs).all())):
         raise FloatingPointError("the accumulated activations hold NaN or inf values")
-    g = gram.double().cpu()
-    b = rhs.double().cpu() - g.sum(1)
-    try:
-        lam, q = torch.linalg.eigh((g + g.T) / 2)
-    except RuntimeError:  # torch.linalg.LinAlgError: the solve failed
+    g = gram.double().cpu().numpy()
+    b = rhs.double().cpu().numpy() - g.sum(1)
+    u, istop = lsmr(g, b, damp=1.0)[:2]
+    scales = torch.from_numpy(1 + u)
+    if istop >= 3 or not bool(torch.isfinite(scales).all()):
         return None
-    u = q @ (lam / (lam * lam + 1) * (q.T @ b))
-    scales = 1 + u
-    return scales.to(gram.device) if bool(torch.isfinite(scales).all()) else None
+    return scales.to(gram.device)
 
 
 def _checked(scales: torch.Tensor | None, gram: torch.Tensor, rhs: torch.Tensor,
