@@ -28,13 +28,13 @@ LSMR's stopping is part of the method: it ends where the residual meets the tole
 before the small eigenvalues of G are resolved, and on an MLP's ill-conditioned G the
 exact minimiser can lie far from that point and fit held-out text far worse
 (docs/prune-and-repair.md). As in Kwon's code, a solve that ends for any other reason
-(istop 3 and up: the condition limit, or the iterations spent) has failed. The sums
-are float64 here (Kwon's are float32). The constant is dropped; the scales are folded into the columns of W_O or of
-the down projection, biases kept. A failed solve, or any scale outside [-10, 10],
-stops the rescaling: that sublayer and every later one are left as they are. One
-safeguard is headlab's own: scales that, without the constant, would fit B worse than
-all ones do are not installed (that sublayer only is left as it is), so no sublayer's
-error rises.
+(istop 3 and up: the condition limit, or the iterations spent) has failed. The sums are
+float64 here (Kwon's are float32). The constant is dropped; the scales are folded into
+the columns of W_O or of the down projection, biases kept. A failed solve, or any scale
+outside [-10, 10], stops the rescaling: that sublayer and every later one are left as
+they are. One safeguard is headlab's own: scales that, without the constant, would fit B
+worse than all ones do are not installed (that sublayer only is left as it is), so no
+sublayer's error rises.
 
 G and r come from X^T X and X^T Y summed over batches (X = [z, 1] or [a, 1]), never
 forming A: G_hg = sum_{d,e} (X^T X)[hd, ge] (W^T W)[hd, ge], and so on below.
