@@ -354,6 +354,23 @@ def test_lsq(family, loaded, scoring_blocks):
 
 
 @each_family
+def test_rescale(family, loaded, scoring_blocks):
+    """rescale (Kwon et al.'s, solved by LSMR) walks every layer of every family that
+    names its MLP's down projection: no sublayer's error rises, and every weight stays
+    finite."""
+    reference = loaded(family)
+    pruned = prune(reference, _plan(reference, {0: [0], reference.n_layers - 1: [1, 2]}),
+                   inplace=False)
+    report = recover(pruned, reference, scoring_blocks(family), method="rescale",
+                     batch_size=4)
+    assert [e.layer for e in report.layers] == list(range(reference.n_layers))
+    for e in report.layers:
+        assert e.error_after <= e.error_before, e
+        assert e.mlp_error_before is not None and e.mlp_error_after <= e.mlp_error_before, e
+    assert all(bool(torch.isfinite(p).all()) for p in pruned.parameters())
+
+
+@each_family
 def test_bias(family, loaded, scoring_blocks, tmp_path):
     """bias folds the removed heads' mean into W_O's bias: the first layer (where both
     streams agree) can only improve, and the saved model carries the new bias."""
