@@ -221,6 +221,7 @@ FEATURES = {
     "demotion": "demotion",
     "lsq": "lsq (+ MLP)",
     "bias": "bias",
+    "rescale": "rescale",
     "attribution": "logit attribution",
     "patching": "patching",
     "detectors": "detectors",
