@@ -329,9 +329,9 @@ def test_rescale_equals_kwons_equations_in_numpy(family):
     # default init the scales stay within 1e-5 of 1)
     reference, blocks = build(initializer_range=0.1), _blocks(48)
     model, original = _pruned(reference, plan), _pruned(reference, plan)
-    recover(model, reference, blocks, method="rescale")
+    report = recover(model, reference, blocks, method="rescale")
     D = model.head_dim
-    fitted, stopped = [], False
+    fitted, stopped, stopped_at = [], False, None
     for layer, attn in enumerate(model.attentions):
         fit = _layer_activations(model, reference, blocks, layer)
         old = original.attentions[layer].o_proj
@@ -346,6 +346,7 @@ def test_rescale_equals_kwons_equations_in_numpy(family):
             target = (fit["y"] - b).reshape(-1).numpy()  # (N*E,)
             expected = _kwon_scales(p.T.numpy(), target, constant=True)  # (H,)
             stopped = expected is None
+            stopped_at = f"layer {layer}'s attention" if stopped else None
         if layer == 0 or stopped:
             assert torch.equal(new, w.view(E, H, D))
         else:
@@ -367,6 +368,7 @@ def test_rescale_equals_kwons_equations_in_numpy(family):
             expected = _kwon_scales(p.T.numpy(), (fit["y_down"] - bd).reshape(-1).numpy(),
                                     constant=False)  # (F,)
             stopped = expected is None
+            stopped_at = f"layer {layer}'s MLP" if stopped else None
         if stopped:
             assert torch.equal(down.weight.detach().double(), wd)
         else:
@@ -374,6 +376,13 @@ def test_rescale_equals_kwons_equations_in_numpy(family):
             assert np.abs(ours - expected).max() < 1e-5
             fitted.append(np.abs(expected - 1).max())
     assert fitted and max(fitted) > 1e-3  # some fit moved its scales
+    halted = [n for n in report.notes if n.startswith("rescale stopped")]
+    if stopped_at is None:
+        assert not halted
+    else:  # the report says where, and LSMR's reason
+        assert len(halted) == 1
+        assert halted[0].startswith(f"rescale stopped at {stopped_at}: ")
+        assert "istop" in halted[0]
 
 
 def test_rescale_head_system_is_kwons_normal_equations(monkeypatch):
@@ -394,7 +403,7 @@ def test_rescale_head_system_is_kwons_normal_equations(monkeypatch):
         return torch.linspace(0.5, 1.5, H + 1, dtype=torch.float64)
 
     monkeypatch.setattr(rescale, "damped_scales", solver)
-    fit = rescale.Rescale(attn, rescale.Stop())
+    fit = rescale.Rescale(1, attn, rescale.Stop())
     fit.pruned(z[:25], y[:25])
     fit.pruned(z[25:], y[25:])
     w_new, bias = fit.solve()
@@ -418,17 +427,24 @@ def test_rescale_stops_at_the_first_scale_out_of_bounds(monkeypatch):
     from headlab.recovery import rescale
 
     reference, blocks = _gpt2(initializer_range=0.1), _blocks(48)
-    solve, calls = rescale.damped_scales, []
+    solve, calls, widest = rescale.damped_scales, [], []
 
     def first_out_of_bounds(gram, rhs):
         calls.append(len(rhs))
         scales = solve(gram, rhs)
-        return scales * 11 if len(calls) == 1 else scales
+        if len(calls) == 1:
+            scales = scales * 11
+            widest.append(float(scales.abs().max()))
+        return scales
 
     monkeypatch.setattr(rescale, "damped_scales", first_out_of_bounds)
     model = _pruned(reference, GPT2_PLAN)
-    recover(model, reference, blocks, method="rescale")
+    report = recover(model, reference, blocks, method="rescale")
     assert calls == [model.blocks[0].mlp.proj.weight.shape[1]]  # then no more solves
+    assert [n for n in report.notes if n.startswith("rescale")] == [
+        f"rescale stopped at layer 0's MLP: a scale of {widest[0]:.3g} is outside "
+        "[-10, 10]; as Kwon et al.'s loop breaks, it and every later sublayer were left "
+        "as they were"]
     assert_close(_logits(model, blocks), _logits(_pruned(reference, GPT2_PLAN), blocks),
                  rtol=0, atol=0)
     monkeypatch.setattr(rescale, "damped_scales", solve)

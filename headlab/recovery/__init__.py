@@ -94,7 +94,8 @@ def recover(
         notes.append(f"{pruned.family} names no MLP down projection ({why}): "
                      f"{method} refitted W_O alone")
         log.warning(notes[-1])
-    make_fit, make_down = _make_fit(method, ridge)
+    stop = Stop()  # rescale's: one per walk, a failed layer stops every later one
+    make_fit, make_down = _make_fit(method, ridge, stop)
     originals = refitted(pruned)  # the walk replaces these; setting them back undoes it
     widest = max(getattr(module, "in_features", 0) for _, _, module in originals)
     if method == "lsq" and blocks.n_tokens < widest:
@@ -106,6 +107,9 @@ def recover(
     layers = repair(pruned, reference, blocks, make_fit=make_fit,
                     batch_size=batch_size, method=method, residual=residual,
                     make_down=make_down if refit_mlp else None)
+    for note in stop.notes:  # where rescale stopped, and why
+        log.warning(note)
+    notes.extend(stop.notes)
     try:
         check_sane(pruned, reference, method)
     except UserError:
@@ -149,15 +153,16 @@ def _distill(pruned, reference, blocks, *, batch_size: int, ridge: float | None,
         first.layers if first else [], first.notes if first else [])
 
 
-def _make_fit(method: str, ridge: float | None) -> tuple[MakeFit, MakeDown | None]:
-    """The walk's fit of each layer's attention, and of its MLP's down projection."""
+def _make_fit(method: str, ridge: float | None,
+              stop: Stop) -> tuple[MakeFit, MakeDown | None]:
+    """The walk's fit of each layer's attention, and of its MLP's down projection;
+    ``stop`` is what rescale's fits share."""
     if method == "bias":
         return (lambda layer, ref_attn, attn: BiasCompensation(ref_attn, attn)), None
     if method == "lsq":
         return ((lambda layer, ref_attn, attn: LeastSquares(attn, ridge=ridge)),
-                lambda lin: DownProjection(lin, ridge=ridge))
+                lambda layer, lin: DownProjection(lin, ridge=ridge))
     if method == "rescale":
-        stop = Stop()  # one per walk: a failed layer stops every later one
-        return ((lambda layer, ref_attn, attn: Rescale(attn, stop) if layer
-                 else SkipAttention()), lambda lin: DownRescale(lin, stop))
+        return ((lambda layer, ref_attn, attn: Rescale(layer, attn, stop) if layer
+                 else SkipAttention()), lambda layer, lin: DownRescale(layer, lin, stop))
     return (lambda layer, ref_attn, attn: None), None  # none: errors only

@@ -116,8 +116,8 @@ class DownFit:
 
 # (layer, reference attention, pruned attention) -> the layer's fit, or None: report only
 MakeFit = Callable[[int, MultiHeadAttention, MultiHeadAttention], LayerFit | None]
-# the down projection's module -> its fit
-MakeDown = Callable[[nn.Linear], DownFit]
+# (layer, its MLP's down projection) -> the projection's fit
+MakeDown = Callable[[int, nn.Linear], DownFit]
 
 
 def check_pair(pruned: HeadModel, reference: HeadModel) -> None:
@@ -196,7 +196,8 @@ class _Walk:
     def _layer(self, i: int, make_fit: MakeFit, residual: bool,
                make_down: MakeDown | None) -> LayerError:
         fit = make_fit(i, self.reference.attentions[i], self.pruned.attentions[i])
-        down = make_down(down_projection(self.pruned, i)) if make_down is not None else None
+        down = (make_down(i, down_projection(self.pruned, i)) if make_down is not None
+                else None)
         attn_refs, mlp_refs = self._reference(i, fit, mlp=down is not None)
         # Y = attn_ref + (x_ref - x): the pruned sum matches the reference's; where the
         # streams agree, Y is the reference's output exactly

@@ -52,17 +52,27 @@ from headlab.recovery.lsq import NormalEquations, stacked
 SCALE_BOUND = 10.0  # Kwon et al.'s code: a scale beyond it stops the rescaling
 
 
-class Stop:
-    """Shared by one walk's fits: set once a solve fails or a scale leaves the bound."""
+# LSMR's istop (scipy.sparse.linalg.lsmr) from 3 up: each a failure to Kwon et al.'s loop
+_LSMR_FAILED = {
+    3: "the condition number of G passed LSMR's limit of 1e8",
+    4: "LSMR solved G u = r to machine precision, which Kwon et al.'s loop counts as "
+       "a failure",
+    5: "LSMR reached the least-squares solution to machine precision, which Kwon et "
+       "al.'s loop counts as a failure",
+    6: "the condition number of G is too large for float64",
+    7: "LSMR spent its iterations (one per unknown) before meeting its tolerances",
+}
 
-    def __init__(self) -> None:
-        self.stopped = False
+
+class SolveFailed(Exception):
+    """LSMR's solve of one sublayer's scales failed; the message says how."""
 
 
-def damped_scales(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor | None:
+def damped_scales(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     """1 + u, u LSMR's solution of G u ~ r - G 1 with damping 1 (see the module
-    docstring), for G (P, P) symmetric, r (P,), in float64; None if the solve failed
-    (LSMR's istop 3 and up, as Kwon's ``solution[1] < 3``) or gave non-finite values."""
+    docstring), for G (P, P) symmetric, r (P,), in float64. Raises `SolveFailed` where
+    LSMR reports failure (istop 3 and up, as Kwon's ``solution[1] < 3``) or gives
+    non-finite values."""
     from scipy.sparse.linalg import lsmr
 
     if not (bool(torch.isfinite(gram).all()) and bool(torch.isfinite(rhs).all())):
@@ -70,32 +80,56 @@ def damped_scales(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor | None:
     g = gram.double().cpu().numpy()
     b = rhs.double().cpu().numpy() - g.sum(1)
     u, istop = lsmr(g, b, damp=1.0)[:2]
+    if istop >= 3:
+        raise SolveFailed(f"{_LSMR_FAILED.get(istop, 'LSMR failed')} (istop {istop})")
     scales = torch.from_numpy(1 + u)
-    if istop >= 3 or not bool(torch.isfinite(scales).all()):
-        return None
+    if not bool(torch.isfinite(scales).all()):
+        raise SolveFailed("LSMR gave non-finite scales")
     return scales.to(gram.device)
 
 
-def _checked(scales: torch.Tensor | None, gram: torch.Tensor, rhs: torch.Tensor,
-             n: int, stop: Stop) -> torch.Tensor | None:
-    """The first ``n`` scales, or None: with ``stop`` set if the solve failed or a scale
-    is out of bounds, without if they would fit worse than 1 does."""
-    if scales is None or float(scales.abs().max()) > SCALE_BOUND:
-        stop.stopped = True
-        return None
-    s, g, r = scales[:n], gram[:n, :n], rhs[:n]
-    ones = torch.ones_like(s)
-    # ||A s - B||^2 - ||B||^2 without the constant, against the same at s = 1
-    if float(s @ g @ s - 2 * s @ r) > float(ones @ g @ ones - 2 * ones @ r):
-        return None
-    return s
+class Stop:
+    """Shared by one walk's fits: set once a solve fails or a scale leaves the bound.
+    ``notes`` says, for the report, where and why it stopped, and which sublayers were
+    left alone because their scales fit worse than none."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self.notes: list[str] = []
+
+    def scales(self, gram: torch.Tensor, rhs: torch.Tensor, n: int,
+               where: str) -> torch.Tensor | None:
+        """The first ``n`` of the solved scales for the sublayer ``where`` (e.g. "layer
+        3's MLP"), or None: stopping the walk if the solve failed or a scale is out of
+        bounds, leaving this sublayer alone if the scales fit worse than 1 does."""
+        try:
+            scales = damped_scales(gram, rhs)
+        except SolveFailed as failed:
+            return self._halt(where, str(failed))
+        widest = float(scales.abs().max())
+        if widest > SCALE_BOUND:
+            return self._halt(where, f"a scale of {widest:.3g} is outside "
+                                     f"[-{SCALE_BOUND:g}, {SCALE_BOUND:g}]")
+        s, g, r = scales[:n], gram[:n, :n], rhs[:n]
+        ones = torch.ones_like(s)
+        # ||A s - B||^2 - ||B||^2 without the constant, against the same at s = 1
+        if float(s @ g @ s - 2 * s @ r) > float(ones @ g @ ones - 2 * ones @ r):
+            self.notes.append(f"rescale left {where} as it was: its scales, without the "
+                              "constant, fit the target worse than no scaling")
+            return None
+        return s
+
+    def _halt(self, where: str, why: str) -> None:
+        self.stopped = True
+        self.notes.append(f"rescale stopped at {where}: {why}; as Kwon et al.'s loop "
+                          "breaks, it and every later sublayer were left as they were")
 
 
 class Rescale(LayerFit):
     """One scale per kept head of one layer (see the module docstring)."""
 
-    def __init__(self, attn: MultiHeadAttention, stop: Stop) -> None:
-        self.attn, self.stop = attn, stop
+    def __init__(self, layer: int, attn: MultiHeadAttention, stop: Stop) -> None:
+        self.where, self.attn, self.stop = f"layer {layer}'s attention", attn, stop
         w = attn.o_proj.weight
         self.eq = NormalEquations(w.shape[1] + 1, w.shape[0], w.device)
 
@@ -122,7 +156,7 @@ class Rescale(LayerFit):
         rhs = torch.empty(H + 1, dtype=w.dtype, device=w.device)
         rhs[:H] = ((xty - xsum[:, None] * b[None]) * w.T).view(H, -1).sum(1)
         rhs[H] = ysum.sum() - self.eq.rows * b.sum()
-        scales = _checked(damped_scales(gram, rhs), gram, rhs, H, self.stop)
+        scales = self.stop.scales(gram, rhs, H, self.where)
         if scales is None:
             return None
         return (w.view(E, H, D) * scales[:, None].to(w)).reshape(E, F), None
@@ -135,8 +169,8 @@ class SkipAttention(LayerFit):
 class DownRescale(DownFit):
     """One scale per neuron of one block's MLP down projection (F -> E)."""
 
-    def __init__(self, linear: nn.Linear, stop: Stop) -> None:
-        self.linear, self.stop = linear, stop
+    def __init__(self, layer: int, linear: nn.Linear, stop: Stop) -> None:
+        self.where, self.linear, self.stop = f"layer {layer}'s MLP", linear, stop
         w = linear.weight
         self.eq = NormalEquations(w.shape[1] + 1, w.shape[0], w.device)
 
@@ -154,7 +188,7 @@ class DownRescale(DownFit):
         xtx, xsum, xty = self.eq.xtx[:F, :F], self.eq.xtx[:F, F], self.eq.xty[:F]
         gram = xtx * (w.T @ w)  # (F, F)
         rhs = ((xty - xsum[:, None] * b[None]) * w.T).sum(1)  # (F,)
-        scales = _checked(damped_scales(gram, rhs), gram, rhs, F, self.stop)
+        scales = self.stop.scales(gram, rhs, F, self.where)
         if scales is None:
             return None
         return w * scales[None].to(w), None
