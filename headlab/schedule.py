@@ -17,7 +17,7 @@ from headlab._util.progress import track
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.evaluate.quality import evaluate
-from headlab.importance import TARGETED, HeadScores, score
+from headlab.importance import JOINT, TARGETED, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.parallel import distributed
@@ -27,6 +27,15 @@ from headlab.recovery import recover as recover_model
 from headlab.selection import PrunePlan, heads_to_keep, kv_groups, select, select_groups
 
 UNITS = ("head", "kv-group")  # what a schedule counts and removes: query heads or GQA groups
+SCHEDULES = ("iterative", "one-shot")
+
+
+def default_schedule(method: str) -> str:
+    """The schedule ``method`` runs unless told: one-shot for the methods that choose
+    across layers jointly (`headlab.importance.JOINT`: the gates train toward the target
+    itself, and re-scoring would train them again at every step), iterative, Michel et
+    al.'s protocol, for the scores of one head at a time."""
+    return "one-shot" if method in JOINT else "iterative"
 
 
 @dataclass
@@ -125,7 +134,7 @@ def prune_to_target(
     *,
     method: str = "michel",
     n_keep: int,
-    schedule: str = "iterative",
+    schedule: str | None = None,
     step: float = 0.1,
     per_layer: bool = False,
     min_heads_per_layer: int = 0,
@@ -144,7 +153,8 @@ def prune_to_target(
 
     ``iterative``: remove ``step`` of the original heads per step, re-scoring with the
     current mask (gates at 0 for removed heads) each time. ``one-shot``: score once and
-    remove down to the target, still recording the curve at each step's size. Masks
+    remove down to the target, still recording the curve at each step's size. None:
+    `default_schedule` of ``method`` (one-shot where ``scores`` are given). Masks
     are trials: the model's gates are as they were when this returns; call `prune`
     with the result's plan to remove the weights. With a ``checkpoint`` each finished
     step (and each scoring's progress) is saved, and a call with the same checkpoint
@@ -164,7 +174,9 @@ def prune_to_target(
     DuoAttention's gates), instead of by scoring; ``method`` then names them in the
     checkpoint. Nothing re-scores them, so the schedule must be ``one-shot``.
     """
-    if schedule not in ("iterative", "one-shot"):
+    if schedule is None:
+        schedule = "one-shot" if scores is not None else default_schedule(method)
+    if schedule not in SCHEDULES:
         raise UserError(f"schedule must be 'iterative' or 'one-shot', got {schedule!r}")
     if not 0 < step <= 1:
         raise UserError(f"step must be in (0, 1], got {step}")

@@ -218,6 +218,7 @@ def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, bud
                                  *budget, "--recover", "none", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     written = json.loads((out / "results.json").read_text())
+    assert written["schedule"] == "one-shot"  # gates train once unless told otherwise
     details = written["scoring_details"]
     assert details["target"] == 3 and details["steps"] == steps
     assert details["target_met"] is met

@@ -326,6 +326,22 @@ def test_one_shot_schedule_gives_nested_plans(tiny_gpt2, tiny_gpt2_dir, data):
                  rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize(("method", "scorings"), [("michel", 2), ("flap", 1), ("gates", 1)])
+def test_a_schedule_left_unsaid_is_the_methods(tiny_gpt2, data, method, scorings):
+    """Without ``schedule``, the scores of one head at a time re-score after each step
+    (Michel et al.'s protocol) and the methods that choose jointly score once: the gates
+    would otherwise be trained again at every step."""
+    from headlab.schedule import default_schedule
+
+    scoring, heldout = data
+    kw = {"gate_steps": 2} if method == "gates" else {}
+    res = prune_to_target(tiny_gpt2, scoring, heldout, method=method, step=0.25,
+                          n_keep=heads_to_keep(12, keep=0.5), batch_size=4, score_kwargs=kw)
+    assert len(res.step_scores) == scorings
+    assert default_schedule(method) == ("iterative" if scorings > 1 else "one-shot")
+    assert [p.heads_kept for p in res.curve] == [12, 9, 6]
+
+
 @pytest.mark.parametrize("schedule", ["iterative", "one-shot"])
 def test_plan_at_is_the_shorter_runs_plan(tiny_gpt2, data, schedule):
     """One run to 4 heads holds the plan a run stopped at 10, 9, 7 or 5 would choose

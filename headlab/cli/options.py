@@ -43,7 +43,7 @@ RecoverParams = StrEnum("RecoverParams", [(m, m) for m in RECOVER_PARAMS])
 Sharding = StrEnum("Sharding", [(m, m) for m in SHARDING])
 GateBudget = StrEnum("GateBudget", [(m, m) for m in GATE_BUDGETS])
 D = RunConfig.defaults()
-DEFAULT_METHOD, DEFAULT_SCHEDULE = Method(D["method"]), Schedule(D["schedule"])
+DEFAULT_METHOD = Method(D["method"])
 DEFAULT_DEVICE, DEFAULT_DTYPE = Device(D["device"]), DType(D["dtype"])
 DEFAULT_RECOVERY, DEFAULT_RECOVER_PARAMS = Recovery(D["recover"]), RecoverParams(
     D["recover_params"])
@@ -236,8 +236,10 @@ TARGET = (
                                                       help="Number of heads to remove.")]))
 METHOD = Opt("method", MethodOpt, DEFAULT_METHOD)
 SCHEDULE = (
-    Opt("schedule", Annotated[Schedule, typer.Option(help="Re-score after each step, or once.")],
-        DEFAULT_SCHEDULE),
+    Opt("schedule", Annotated[Schedule | None, typer.Option(
+        help="Re-score after each step (iterative), or score once (one-shot); by default "
+             "one-shot for gates and flap, which choose jointly, iterative for the rest.")],
+        None),
     Opt("step", Annotated[float, typer.Option(help="Fraction of the heads removed per step.")],
         D["step"]),
     Opt("per_layer", Annotated[bool, typer.Option(

@@ -31,10 +31,9 @@ from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.recovery import RECOVERY_METHODS, TRAINING_FREE
 from headlab.recovery.distill import LORA_SHARDED
 from headlab.recovery.distill import PARAMS as RECOVER_PARAMS
-from headlab.schedule import UNITS
+from headlab.schedule import SCHEDULES, UNITS, default_schedule
 from headlab.selection import GROUP_SCORES
 
-SCHEDULES = ("iterative", "one-shot")
 DEVICES = ("auto", "cpu", "cuda")
 SHARDING = ("fsdp",)  # headlab.parallel.sharding: the weights split across torchrun ranks
 
@@ -55,7 +54,7 @@ class RunConfig:
     compare: list[str] = field(default_factory=list)  # more methods, one curve each
     keep: float | None = None
     prune: int | None = None
-    schedule: str = "iterative"
+    schedule: str | None = None  # None: the method's (one-shot for gates and flap)
     step: float = 0.1
     per_layer: bool = False
     min_heads_per_layer: int = 0
@@ -137,6 +136,11 @@ class RunConfig:
         return {f.name: f.default for f in fields(cls)
                 if f.default is not dataclasses.MISSING}
 
+    def schedule_of(self, method: str) -> str:
+        """The schedule ``method`` runs in this run: ``schedule`` where given, else
+        `headlab.schedule.default_schedule` of the method."""
+        return self.schedule or default_schedule(method)
+
     def validated(self) -> RunConfig:
         """Check types and ranges; raise UserError naming the key."""
         for f in fields(self):
@@ -176,7 +180,7 @@ class RunConfig:
                            self.gate_budget, self.gate_batch)
         check_gate_reg(self.gate_reg)
         self._check_kv_cache()
-        if self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
             raise UserError(f"--schedule must be iterative or one-shot, got {self.schedule!r}")
         if not 0 < self.step <= 1:
             raise UserError(f"--step must be in (0, 1], got {self.step}")

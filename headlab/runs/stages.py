@@ -137,7 +137,7 @@ class Stage:
             model=cfg.model, method=cfg.demote_by or cfg.method, importance=scores.scores,
             heads_total=model.n_layers * model.n_original_heads, family=model.family,
             kind=model.kind, schedule=None if cfg.command != "prune" else "one-shot"
-            if cfg.demote_by else cfg.schedule,
+            if cfg.demote_by else cfg.schedule_of(cfg.method),
             keep=cfg.keep,
             data=DataSummary(
                 spec=scoring.spec, scoring_tokens=scoring.n_tokens,
@@ -188,7 +188,7 @@ class Stage:
             log.info("  %.0f%% pruned: quality %.4g", 100 * p.fraction_pruned, p.quality)
 
         if cfg.demote_by is None:
-            log.info("scoring and pruning with %s (%s)", cfg.method, cfg.schedule)
+            log.info("scoring and pruning with %s (%s)", cfg.method, cfg.schedule_of(cfg.method))
             res = self._schedule(cfg.method, n_keep, per_token=cfg.per_token,
                                  on_step=on_step)
         else:  # the chooser's scores, once; the curve removes the groups in their order
@@ -375,7 +375,8 @@ class Stage:
         cfg = self.cfg
         return prune_to_target(
             self.model, self.scoring, self.heldout, method=method, n_keep=n_keep,
-            schedule="one-shot" if scores is not None else cfg.schedule, scores=scores,
+            schedule="one-shot" if scores is not None else cfg.schedule_of(method),
+            scores=scores,
             step=cfg.step, per_layer=cfg.per_layer,
             min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
             seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
