@@ -19,6 +19,7 @@ from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
 from headlab.bench._parts import Parts, measure_part
 from headlab.runs.config import RunConfig
+from headlab.schedule import default_schedule
 
 __all__ = ["RecoverySizes", "bench_recovery"]
 
@@ -72,9 +73,9 @@ def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None,
     res.method = {
         "data": f"{describe(sizes.data)}; recovery fits on the scoring part only",
         "pruning": f"headlab.prune_to_target(method='{sizes.prune_method}', "
-                   f"keep={min(sizes.keeps)}, "
-                   f"step={sizes.step}, iterative); each of keeps {sizes.keeps} is the plan "
-                   "that schedule stopped there chooses (ScheduleResult.plan_at), then "
+                   f"keep={min(sizes.keeps)}, step={sizes.step}, "
+                   f"{default_schedule(sizes.prune_method)}); each of keeps {sizes.keeps} "
+                   "is the plan that schedule stopped there chooses (ScheduleResult.plan_at), then "
                    "headlab.prune",
         "kept": f"held-out loss kept after headlab.recover(method='{sizes.method}') / "
                 "held-out loss with no repair (perplexity increase or fidelity decrease)",
