@@ -6,8 +6,8 @@ docs/kv-cache.md's long-context tables (``bench generate``'s) between
 ``<!-- kvcache:start -->`` and ``<!-- kvcache:end -->``; and docs/prune-and-repair.md's
 table of importance methods (``bench quality``'s grids) between
 ``<!-- methods:start -->`` and ``<!-- methods:end -->``, and its table of gate trainings
-(scripts/schedule_study.py's committed ``reports/bench/schedule-study/gates-*.json``)
-between ``<!-- gates-budget:start -->`` and ``<!-- gates-budget:end -->``.
+and of the default's candidates over seeds (scripts/schedule_study.py's committed
+``reports/bench/schedule-study/*.json``, written by `study_tables`).
 Nothing in them is typed by hand.
 
     python scripts/bench_tables.py            # rewrite the tables
@@ -29,7 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from generated_block import update  # noqa: E402
-from schedule_study import gates_options  # noqa: E402
+from study_tables import (  # noqa: E402
+    DEFAULT_MARKERS,
+    GATES_MARKERS,
+    render_default_study,
+    render_gates_study,
+)
 
 from headlab._util.units import human_bytes  # noqa: E402
 from headlab.bench._common import against  # noqa: E402
@@ -38,8 +43,6 @@ MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
 TRADEOFF_MARKERS = ("<!-- tradeoff:start -->", "<!-- tradeoff:end -->")
 KV_MARKERS = ("<!-- kvcache:start -->", "<!-- kvcache:end -->")
 METHOD_MARKERS = ("<!-- methods:start -->", "<!-- methods:end -->")
-GATES_MARKERS = ("<!-- gates-budget:start -->", "<!-- gates-budget:end -->")
-GATES_STUDIES = ROOT / "reports" / "bench" / "schedule-study"  # gates-<model>.json
 # bench quality's rows in docs/prune-and-repair.md's table of methods, as its columns name them
 METHOD_COLUMNS = {"michel_unnormalised": "michel `--no-normalize`", "michel": "michel",
                   "taylor": "taylor (default)", "gates": "gates", "flap": "flap",
@@ -332,59 +335,6 @@ def render_methods(paths: list[Path]) -> str:
                   "No methods compared (`headlab bench quality` writes them).")
 
 
-def gates_variant(variant: str) -> tuple[str, str, int]:
-    """A schedule_study gates variant (``gates:STEPS:LR[:RATE|:projection][:bN][:sN]``)
-    as (the training, its ``--gate-budget``, its seed): the variants that differ in the
-    seed alone are one training."""
-    o = gates_options(variant)
-    rate = "" if o["gate_lagrange_lr"] is None else f", multipliers at {o['gate_lagrange_lr']}"
-    b = o["gate_batch"]
-    per_step = "" if b is None else f", {b} block{'' if b == 1 else 's'} a step"
-    return f"{o['gate_steps']} steps at lr {o['gate_lr']}{rate}{per_step}", o["gate_budget"], \
-        o["seed"]
-
-
-def _gates_study(studies: list[dict]) -> list[str]:
-    """The gate trainings studied, per model: each training's seeds, where the expected
-    number of open gates ended and the perplexity pruned and after lsq (the means over
-    the seeds; each seed's perplexity in brackets), and its mean seconds."""
-    rows = ["| model (perplexity as it came) | gates trained | `--gate-budget` | seeds | "
-            "expected open (target) | pruned | after `lsq` | seconds |",
-            "|---|---|---|---|---|---|---|---|"]
-
-    def mean(rs: list[dict], key: str) -> float:
-        return sum(r[key] for r in rs) / len(rs)
-
-    def cell(rs: list[dict], key: str) -> str:  # the mean, and each seed's beside it
-        each = "" if len(rs) == 1 else f" ({', '.join(f'{r[key]:.1f}' for r in rs)})"
-        return f"{mean(rs, key):.1f}{each}"
-
-    for run in studies:
-        trainings: dict[tuple[str, str], list[tuple[int, dict]]] = {}  # -> (seed, row)
-        for r in run["rows"]:
-            if r["variant"].startswith("gates:"):
-                training, budget, seed = gates_variant(r["variant"])
-                trainings.setdefault((training, budget), []).append((seed, r))
-        name = f"{run['model']} ({run['before']:.1f})"
-        for (training, budget), seeded in trainings.items():
-            rs = [r for _, r in seeded]
-            rows.append(f"| {name} | {training} | `{budget}` | "
-                        f"{', '.join(str(s) for s, _ in seeded)} | "
-                        f"{mean(rs, 'expected_open'):.1f} ({run['target']}) | "
-                        f"{cell(rs, 'pruned')} | {cell(rs, 'lsq')} | "
-                        f"{mean(rs, 'score_s'):.0f} |")
-            name = ""
-    return rows
-
-
-def render_gates_study(_paths: list[Path]) -> str:
-    """docs/prune-and-repair.md's block: the committed gate-training studies."""
-    studies = [json.loads(p.read_text()) for p in sorted(GATES_STUDIES.glob("gates-*.json"))]
-    body = ("\n".join(_gates_study(studies)) if studies
-            else "No gate training studied (scripts/schedule_study.py writes them).")
-    return f"{GATES_MARKERS[0]}\n{body}\n{GATES_MARKERS[1]}"
-
-
 def render_kv_cache(paths: list[Path]) -> str:
     """docs/kv-cache.md's block: generate.json's long-context tables."""
     return _block(paths, "generate.json", _kv_cache, KV_MARKERS,
@@ -416,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
               (Path(args.readme), TRADEOFF_MARKERS, render_tradeoff, "trade-off table"),
               (Path(args.kv_cache), KV_MARKERS, render_kv_cache, "long-context tables"),
               (Path(args.methods), METHOD_MARKERS, render_methods, "table of methods"),
-              (Path(args.methods), GATES_MARKERS, render_gates_study, "table of gate trainings")]
+              (Path(args.methods), GATES_MARKERS, render_gates_study, "table of gate trainings"),
+              (Path(args.methods), DEFAULT_MARKERS, render_default_study,
+               "table of the default's candidates")]
     return max(update(path, lambda t, m=markers: current_block(t, m), rendered(jsons),
                       check=args.check, what=what, markers=" and ".join(markers),
                       script="scripts/bench_tables.py")

@@ -10,7 +10,8 @@ of the sample judges.
     python scripts/schedule_study.py OUT.json smollm2-135m
 
 Each variant is a schedule, a step and a number of taylor's probes, written
-``one-shot:0.1:4`` or ``iterative:0.1:4``, or gates trained for a number of steps at a
+``one-shot:0.1:4`` or ``iterative:0.1:4`` (``iterative:0.1:4:s1``: the probes drawn from
+seed 1, not 0), or gates trained for a number of steps at a
 learning rate, the multipliers at their own if given: ``gates:100:0.1`` or
 ``gates:100:0.1:1.0``, or held on the target by projection: ``gates:100:0.1:projection``,
 each step on another number of blocks than the default and the gates' noise drawn from
@@ -32,15 +33,22 @@ DEFAULT_VARIANTS = ("one-shot:0.1:1", "one-shot:0.1:4", "iterative:0.2:1", "iter
                     "iterative:0.1:1", "iterative:0.1:4", "iterative:0.05:1")
 
 
+def variant_tail(fields: list[str]) -> dict[str, int]:
+    """The trailing ``bN`` (blocks per step) and ``sN`` (seed) fields, popped from
+    ``fields``: {"b": N, "s": N}, each where given."""
+    tail = {}
+    while fields and fields[-1][:1] in ("b", "s") and fields[-1][1:].isdigit():
+        field = fields.pop()
+        tail[field[0]] = int(field[1:])
+    return tail
+
+
 def gates_options(variant: str) -> dict:
     """A gates variant, ``gates:STEPS:LR[:RATE|:projection][:bN][:sN]``, as the options
     of headlab.score: ``gate_steps``, ``gate_lr``, ``gate_budget``, ``gate_lagrange_lr``
     (None: ``gate_lr``), ``gate_batch`` (None: the default) and ``seed``."""
     _, steps, lr, *rest = variant.split(":")
-    tail = {}  # b<N>: the blocks per step, s<N>: the seed, from the end
-    while rest and rest[-1][:1] in ("b", "s") and rest[-1][1:].isdigit():
-        field = rest.pop()
-        tail[field[0]] = int(field[1:])
+    tail = variant_tail(rest)
     projection = rest == ["projection"]
     return {"gate_steps": int(steps), "gate_lr": float(lr),
             "gate_budget": "projection" if projection else "lagrangian",
@@ -81,11 +89,12 @@ def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: i
             plan, scorings = headlab.select(scores, n_keep), 1
             trained = {"expected_open": scores.extra["expected_open"]}
         else:
+            seed = variant_tail(options).get("s", 0)
             step, probes = options
             # the schedule's own curve is not read: one window keeps its evaluations cheap
             r = headlab.prune_to_target(model, scoring, judging.subset([0]), method="taylor",
                                         n_keep=n_keep, schedule=kind, step=float(step),
-                                        batch_size=batch_size,
+                                        batch_size=batch_size, seed=seed,
                                         score_kwargs={"probes": int(probes)})
             plan, scorings, trained = r.plan_at(n_keep), len(r.step_scores), {}
         score_s = time.perf_counter() - t0

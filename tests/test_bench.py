@@ -155,16 +155,29 @@ def test_each_benchmark_has_its_targets(tiny_run):
                                    "minilm-l6.rescale_kept_over_none"}
 
 
-def test_schedule_study_judges_each_variant_on_calibration_windows_it_did_not_score():
+def test_schedule_study_judges_each_variant_on_calibration_windows_it_did_not_score(
+        monkeypatch):
     """scripts/schedule_study.py, behind the docs' tables of schedules and probes and of
-    gate training: one row per variant, the iterative one re-scoring at each step, gates
-    trained once toward the heads kept, every figure measured."""
+    gate training: one row per variant, the iterative one re-scoring at each step (its
+    probes drawn from the seed a last ``sN`` names), gates trained once toward the heads
+    kept, every figure measured."""
+    import headlab
+
+    schedule, seeds = headlab.prune_to_target, []
+
+    def spied(*args, **kwargs):
+        seeds.append(kwargs["seed"])
+        return schedule(*args, **kwargs)
+
+    monkeypatch.setattr(headlab, "prune_to_target", spied)
     study = script("schedule_study").study(
-        "minilm-l6", ["one-shot:0.2:1", "iterative:0.2:2", "gates:3:0.1:1.0"], seq_len=32,
-        score_tokens=256, judge_tokens=256)
+        "minilm-l6", ["one-shot:0.2:1", "iterative:0.2:2", "gates:3:0.1:1.0",
+                      "iterative:0.2:2:s1"], seq_len=32, score_tokens=256, judge_tokens=256)
     assert study["score_tokens"] > 0 and study["judge_tokens"] > 0
-    one_shot, iterative, gates = study["rows"]
+    one_shot, iterative, gates, seeded = study["rows"]
+    assert seeds == [0, 0, 1]
     assert one_shot["scorings"] == 1 and iterative["scorings"] == 2  # 72 -> 58 -> 44 heads
+    assert seeded["scorings"] == 2
     assert gates["scorings"] == 1 and 44 < gates["expected_open"] <= 72  # 3 steps: far off
     for row in study["rows"]:
         assert all(math.isfinite(row[k]) and row[k] > 0

@@ -207,6 +207,9 @@ def test_benchmark_tables_are_the_committed_jsons():
     assert tables.current_block(methods, tables.GATES_MARKERS) == tables.render_gates_study(
         jsons), "docs/prune-and-repair.md's table of gate trainings is stale: run " \
         "python scripts/bench_tables.py"
+    assert tables.current_block(methods, tables.DEFAULT_MARKERS) == \
+        tables.render_default_study(jsons), "docs/prune-and-repair.md's table of the " \
+        "default's candidates is stale: run python scripts/bench_tables.py"
 
 
 def test_bench_tables_script_rewrites_and_checks(tmp_path):
@@ -220,8 +223,8 @@ def test_bench_tables_script_rewrites_and_checks(tmp_path):
     kv_cache = tmp_path / "kv-cache.md"
     kv_cache.write_text("{}\nold\n{}\nend\n".format(*tables.KV_MARKERS))
     methods = tmp_path / "prune-and-repair.md"
-    methods.write_text("{}\nold\n{}\n{}\nold\n{}\n".format(*tables.METHOD_MARKERS,
-                                                        *tables.GATES_MARKERS))
+    methods.write_text("{}\nold\n{}\n{}\nold\n{}\n{}\nold\n{}\n".format(
+        *tables.METHOD_MARKERS, *tables.GATES_MARKERS, *tables.DEFAULT_MARKERS))
     args = ["--readme", str(readme), "--kv-cache", str(kv_cache), "--methods", str(methods),
             *map(str, jsons)]
     assert tables.main([str(page), *args]) == 0
@@ -231,7 +234,8 @@ def test_bench_tables_script_rewrites_and_checks(tmp_path):
     assert readme.read_text() == f"intro\n{tables.render_tradeoff(jsons)}\n"
     assert kv_cache.read_text() == f"{tables.render_kv_cache(jsons)}\nend\n"
     assert methods.read_text() == (f"{tables.render_methods(jsons)}\n"
-                                   f"{tables.render_gates_study(jsons)}\n")
+                                   f"{tables.render_gates_study(jsons)}\n"
+                                   f"{tables.render_default_study(jsons)}\n")
     assert "**" in methods.read_text()  # quality.json's grids: the best after lsq marked
     assert tables.main([str(page), "--check", *args]) == 0
     page.write_text(text.replace("| yes |", "| no |", 1).replace("| **no** |", "| x |", 1))
@@ -325,7 +329,7 @@ def test_the_gate_trainings_table_reads_the_committed_studies():
     committed scripts/schedule_study.py run, its seeds gathered, the means theirs."""
     import json
 
-    tables = script("bench_tables")
+    tables = script("study_tables")
     assert tables.gates_variant("gates:100:0.1") == ("100 steps at lr 0.1", "lagrangian", 0)
     assert tables.gates_variant("gates:100:0.1:1.0:s2") == (
         "100 steps at lr 0.1, multipliers at 1.0", "lagrangian", 2)
@@ -342,3 +346,45 @@ def test_the_gate_trainings_table_reads_the_committed_studies():
             (row,) = [c for c in cells if c[1:3] == [training, f"`{budget}`"]
                       and str(seed) in c[3].split(", ") and f"{r['lsq']:.1f}" in c[6]]
             assert row[4].endswith(f"({run['target']})"), row
+
+
+def test_the_default_candidates_table_holds_each_method_as_prune_runs_it():
+    """docs/prune-and-repair.md's table of the default's candidates: taylor's rows and the
+    gates' are the committed studies' runs of each with `headlab prune`'s defaults, every
+    seed of them and no other run, judged on the same windows (the same perplexity as
+    the model came)."""
+    import json
+
+    tables = script("study_tables")
+    assert tables.default_seed("iterative:0.1:4", "taylor") == 0
+    assert tables.default_seed("iterative:0.1:4:s2", "taylor") == 2
+    assert tables.default_seed("iterative:0.1:1", "taylor") is None  # not the default probes
+    assert tables.default_seed("one-shot:0.1:4", "taylor") is None
+    assert tables.default_seed("gates:100:0.1:projection:b1:s1", "gates") == 1
+    assert tables.default_seed("gates:100:0.1:b1", "gates") is None  # the Lagrangian
+    assert tables.default_seed("gates:100:0.1:projection:b4", "gates") is None
+    assert tables.default_seed("gates:100:0.1:projection:b1", "taylor") is None
+    lines = [ln for ln in tables.render_default_study([]).splitlines() if ln.startswith("| ")]
+    table, model = {}, None  # (model's cell, method) -> the row's cells
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        model = cells[0] or model
+        table[model, cells[1].split("`")[1]] = cells
+    studied = 0
+    for path in sorted(tables.GATES_STUDIES.glob("gates-*.json")):
+        schedules = path.with_name(path.name.removeprefix("gates-"))
+        if not schedules.exists():
+            continue
+        runs = {"taylor": json.loads(schedules.read_text()),
+                "gates": json.loads(path.read_text())}
+        assert runs["taylor"]["before"] == pytest.approx(runs["gates"]["before"], rel=1e-9)
+        for method, run in runs.items():
+            rows = [r for r in run["rows"] if tables.default_seed(r["variant"], method)
+                    is not None]
+            row = table.pop((f"{run['model']} ({run['before']:.1f})", method))
+            assert row[2] == ", ".join(sorted(str(tables.default_seed(r["variant"], method))
+                                              for r in rows)), row
+            mean = sum(r["lsq"] for r in rows) / len(rows)
+            assert row[4].startswith(f"{mean:.1f}") and len(rows) >= 3, (method, row)
+            studied += 1
+    assert studied == 4 and not table  # taylor and the gates on both decoders, no other
