@@ -9,14 +9,17 @@ otherwise, over its seeds, between ``<!-- default-study:start -->`` and
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from schedule_study import gates_options, variant_tail
-
-from headlab.runs.config import RunConfig
-from headlab.schedule import default_schedule
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from schedule_study import gates_options, variant_tail  # noqa: E402
+
+from headlab.runs.config import RunConfig  # noqa: E402
+from headlab.schedule import default_schedule  # noqa: E402
+
 GATES_MARKERS = ("<!-- gates-budget:start -->", "<!-- gates-budget:end -->")
 DEFAULT_MARKERS = ("<!-- default-study:start -->", "<!-- default-study:end -->")
 # <model>.json (taylor's schedules and probes) and gates-<model>.json (gate trainings)

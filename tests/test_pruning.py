@@ -363,7 +363,7 @@ def test_plan_at_is_the_shorter_runs_plan(tiny_gpt2, data, schedule):
 def test_given_scores_choose_without_scoring(tiny_gpt2, data, table, monkeypatch):
     """Scores computed elsewhere (a detector's, DuoAttention's gates) choose the heads one
     shot, as `select` of them does, and nothing is scored; they are never re-scored, so
-    an iterative schedule is refused."""
+    one shot is their schedule unless told, and an iterative one is refused."""
     import headlab.schedule
 
     scoring, heldout = data
@@ -372,8 +372,12 @@ def test_given_scores_choose_without_scoring(tiny_gpt2, data, table, monkeypatch
                           schedule="one-shot", scores=table, method="sink", batch_size=4)
     assert _pruned_set(res.plan) == _pruned_set(select(table, 5))
     assert res.scores is table and len(res.curve) == 4  # 12, 9, 6, 5 heads measured
+    unsaid = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=5, step=0.25, scores=table,
+                             method="sink", batch_size=4)
+    assert unsaid.plan == res.plan and unsaid.curve == res.curve
     with pytest.raises(UserError, match="not re-scored: use schedule='one-shot'"):
-        prune_to_target(tiny_gpt2, scoring, heldout, n_keep=5, scores=table)
+        prune_to_target(tiny_gpt2, scoring, heldout, n_keep=5, scores=table,
+                        schedule="iterative")
 
 
 def test_schedule_arguments_are_checked(tiny_gpt2, data):
