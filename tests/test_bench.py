@@ -209,6 +209,29 @@ def test_recovery_tradeoff_table(tiny_run):
     assert math.isfinite(recovery.figures[t.figure].median)
 
 
+def test_recovery_trains_a_targeted_method_toward_each_keep(monkeypatch):
+    """Where the method that prunes trains toward its target (the gates), bench recovery
+    prunes as `headlab prune --keep` would at each size: one training toward each keep,
+    one-shot, not one schedule stopped on the way to the smallest."""
+    import headlab.schedule
+    from headlab.bench.recovery import RecoverySizes, bench_recovery
+
+    schedule, asked = headlab.schedule.prune_to_target, []
+
+    def spied(*args, **kwargs):
+        result = schedule(*args, **kwargs)
+        asked.append((kwargs["n_keep"], len(result.step_scores)))
+        return result
+
+    monkeypatch.setattr(headlab.schedule, "prune_to_target", spied)
+    sizes = RecoverySizes(runs=(("minilm-l6", 32, 256, ()),), step=0.4, latency_length=32,
+                          latency_rounds=1, prune_method="gates", also={})
+    res = bench_recovery(sizes)
+    assert asked == [(58, 1), (44, 1), (29, 1)]  # MiniLM: 72 heads, keeps 0.8, 0.6, 0.4
+    assert [r["heads"] for r in res.checks["tradeoff"]] == [72, 58, 44, 29]
+    assert "toward each of keeps" in res.method["pruning"]
+
+
 def test_quality_grid_has_every_method_at_every_keep_and_the_docs_render_it(tiny_run):
     """bench quality's grid: each method pruned and after lsq (flap also after its bias
     compensation), random's 3 seeds, at each keep; the docs table shows every row."""

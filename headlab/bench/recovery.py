@@ -2,9 +2,11 @@
 back, on the real bundled models, and what it costs against one michel scoring; and the
 trade-off table: quality, parameters, key/value cache and latency at each of ``keeps``.
 
-Each model is pruned by `headlab prune`'s default method (taylor) in the iterative
-schedule, once, down to the smallest of ``keeps``; each size's plan is the one that
-schedule stopped there would choose (`ScheduleResult.plan_at`). Each pruned model is
+Each model is pruned by `headlab prune`'s default method in its default schedule, as
+`headlab prune --keep` would at each of ``keeps`` (`_plans`): a score of one head at a
+time runs its schedule once, down to the smallest of ``keeps``, each size's plan the one
+that schedule stopped there would choose (`ScheduleResult.plan_at`); the gates train
+toward each size. Each pruned model is
 measured on held-out data as it is (``none``) and after ``method``; the targets are
 judged at ``keep``. The quality figures are not timings; the time ratio is one run of
 each on the same data, and the latency a median of interleaved rounds against the
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
 from headlab.bench._parts import Parts, measure_part
+from headlab.importance import TARGETED
 from headlab.runs.config import RunConfig
 from headlab.schedule import default_schedule
 
@@ -72,11 +75,7 @@ def bench_recovery(sizes: RecoverySizes, *, device: str = "cpu", models=None,
     res = BenchResult.of_sizes("recovery", sizes)
     res.method = {
         "data": f"{describe(sizes.data)}; recovery fits on the scoring part only",
-        "pruning": f"headlab.prune_to_target(method='{sizes.prune_method}', "
-                   f"keep={min(sizes.keeps)}, step={sizes.step}, "
-                   f"{default_schedule(sizes.prune_method)}); each of keeps {sizes.keeps} "
-                   "is the plan that schedule stopped there chooses (ScheduleResult.plan_at), then "
-                   "headlab.prune",
+        "pruning": _pruning(sizes),
         "kept": f"held-out loss kept after headlab.recover(method='{sizes.method}') / "
                 "held-out loss with no repair (perplexity increase or fidelity decrease)",
         "time": f"seconds of headlab.recover(method='{sizes.method}') / seconds of one "
@@ -97,7 +96,6 @@ def _measure(res: BenchResult, sizes: RecoverySizes, device: str, name: str, seq
              max_tokens: int, options) -> None:
     """One model of the benchmark: its figures, targets, checks and trade-off rows."""
     import headlab
-    from headlab.schedule import prune_to_target
     from headlab.selection import heads_to_keep
 
     model = headlab.load(name, device=device)
@@ -107,9 +105,7 @@ def _measure(res: BenchResult, sizes: RecoverySizes, device: str, name: str, seq
     before = headlab.evaluate(model, heldout, batch_size=sizes.batch)
     total = model.n_layers * model.n_original_heads
     n_keeps = {keep: heads_to_keep(total, keep=keep) for keep in sizes.keeps}
-    schedule = prune_to_target(model, scoring, heldout, n_keep=min(n_keeps.values()),
-                               method=sizes.prune_method, step=sizes.step,
-                               batch_size=sizes.batch, score_kwargs=score_kw)
+    plans = _plans(model, scoring, heldout, n_keeps, sizes, score_kw)
     t0 = time.perf_counter()
     headlab.score(model, scoring, method="michel", batch_size=sizes.batch, **score_kw)
     t_michel = time.perf_counter() - t0
@@ -118,8 +114,7 @@ def _measure(res: BenchResult, sizes: RecoverySizes, device: str, name: str, seq
     res.add(f"{name}.{metric}_before", [before.value], metric)
     rows = [_row(name, 1.0, model, before.value, before.value, None, sizes)]
     for keep in sorted(sizes.keeps, reverse=True):
-        measured = _prune_and_repair(model, schedule.plan_at(n_keeps[keep]), scoring,
-                                     heldout, sizes)
+        measured = _prune_and_repair(model, plans[keep], scoring, heldout, sizes)
         rows.append(_row(name, keep, measured.model, measured.pruned, measured.repaired,
                          measured.latency, sizes))
         if keep != sizes.keep:
@@ -139,13 +134,41 @@ def _measure(res: BenchResult, sizes: RecoverySizes, device: str, name: str, seq
         res.add_target(f"{name}.recover_over_michel", target=1.0, op="<=",
                        what=f"{name} {sizes.method} time / michel scoring time")
         for other, bound in sizes.also.items():
-            _other_repair(res, name, other, bound, model, schedule.plan_at(n_keeps[keep]),
-                          scoring, heldout, sizes, before.value, lost_none, sign)
+            _other_repair(res, name, other, bound, model, plans[keep], scoring, heldout,
+                          sizes, before.value, lost_none, sign)
         if sizes.distill_tokens and model.kind == "causal-lm":
             _distill_after(res, name, measured.model, model, heldout, sizes, seq_len,
                            before, lost_none, sign)
     rows[0]["latency_ms"] = rows[1]["latency_before_ms"]
     res.checks["tradeoff"] += [{**row, "metric": metric} for row in rows]
+
+
+def _pruning(sizes: RecoverySizes) -> str:
+    """How each keep's plan is chosen, in words (`_plans`)."""
+    call = (f"headlab.prune_to_target(method='{sizes.prune_method}', step={sizes.step}, "
+            f"{default_schedule(sizes.prune_method)}")
+    if sizes.prune_method in TARGETED:
+        return f"{call}) toward each of keeps {sizes.keeps}, then headlab.prune"
+    return (f"{call}, keep={min(sizes.keeps)}); each of keeps {sizes.keeps} is the plan that "
+            "schedule stopped there chooses (ScheduleResult.plan_at), then headlab.prune")
+
+
+def _plans(model, scoring, heldout, n_keeps: dict[float, int], sizes: RecoverySizes,
+           score_kw: dict) -> dict:
+    """Each keep's plan, as `headlab prune --keep` chooses it: the scores of one head at a
+    time run one schedule down to the smallest keep, stopped at each size; a method that
+    trains toward its target (the gates) trains toward each size."""
+    from headlab.schedule import prune_to_target
+
+    def schedule(n_keep: int):
+        return prune_to_target(model, scoring, heldout, n_keep=n_keep, step=sizes.step,
+                               method=sizes.prune_method, batch_size=sizes.batch,
+                               score_kwargs=score_kw)
+
+    if sizes.prune_method in TARGETED:
+        return {keep: schedule(n).plan for keep, n in n_keeps.items()}
+    once = schedule(min(n_keeps.values()))
+    return {keep: once.plan_at(n) for keep, n in n_keeps.items()}
 
 
 @dataclass
