@@ -33,7 +33,7 @@ DEFAULT_VARIANTS = ("one-shot:0.1:1", "one-shot:0.1:4", "iterative:0.2:1", "iter
                     "iterative:0.1:1", "iterative:0.1:4", "iterative:0.05:1")
 
 
-def variant_tail(fields: list[str]) -> dict[str, int]:
+def _tail(fields: list[str]) -> dict[str, int]:
     """The trailing ``bN`` (blocks per step) and ``sN`` (seed) fields, popped from
     ``fields``: {"b": N, "s": N}, each where given."""
     tail = {}
@@ -43,12 +43,21 @@ def variant_tail(fields: list[str]) -> dict[str, int]:
     return tail
 
 
+def taylor_options(variant: str) -> dict:
+    """A taylor variant, ``SCHEDULE:STEP:PROBES[:sN]``, as ``schedule``, ``step``,
+    ``probes`` and ``seed`` (that of the curvature probes, 0 unless given)."""
+    schedule, *fields = variant.split(":")
+    seed = _tail(fields).get("s", 0)
+    step, probes = fields
+    return {"schedule": schedule, "step": float(step), "probes": int(probes), "seed": seed}
+
+
 def gates_options(variant: str) -> dict:
     """A gates variant, ``gates:STEPS:LR[:RATE|:projection][:bN][:sN]``, as the options
     of headlab.score: ``gate_steps``, ``gate_lr``, ``gate_budget``, ``gate_lagrange_lr``
     (None: ``gate_lr``), ``gate_batch`` (None: the default) and ``seed``."""
     _, steps, lr, *rest = variant.split(":")
-    tail = variant_tail(rest)
+    tail = _tail(rest)
     projection = rest == ["projection"]
     return {"gate_steps": int(steps), "gate_lr": float(lr),
             "gate_budget": "projection" if projection else "lagrangian",
@@ -80,22 +89,20 @@ def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: i
     before = headlab.evaluate(model, judging, batch_size=batch_size).value
     rows = []
     for variant in variants:
-        kind, *options = variant.split(":")
         t0 = time.perf_counter()
-        if kind == "gates":
+        if variant.startswith("gates:"):
             given = {k: v for k, v in gates_options(variant).items() if v is not None}
             scores = headlab.score(model, scoring, method="gates", batch_size=batch_size,
                                    target=n_keep, **given)
             plan, scorings = headlab.select(scores, n_keep), 1
             trained = {"expected_open": scores.extra["expected_open"]}
         else:
-            seed = variant_tail(options).get("s", 0)
-            step, probes = options
+            o = taylor_options(variant)
             # the schedule's own curve is not read: one window keeps its evaluations cheap
             r = headlab.prune_to_target(model, scoring, judging.subset([0]), method="taylor",
-                                        n_keep=n_keep, schedule=kind, step=float(step),
-                                        batch_size=batch_size, seed=seed,
-                                        score_kwargs={"probes": int(probes)})
+                                        n_keep=n_keep, schedule=o["schedule"], step=o["step"],
+                                        batch_size=batch_size, seed=o["seed"],
+                                        score_kwargs={"probes": o["probes"]})
             plan, scorings, trained = r.plan_at(n_keep), len(r.step_scores), {}
         score_s = time.perf_counter() - t0
         pruned = headlab.prune(copy_model(model), plan)

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from schedule_study import gates_options, variant_tail  # noqa: E402
+from schedule_study import gates_options, taylor_options  # noqa: E402
 
 from headlab.runs.config import RunConfig  # noqa: E402
 from headlab.schedule import default_schedule  # noqa: E402
@@ -86,19 +86,19 @@ def default_seed(variant: str, method: str) -> int | None:
     ``headlab prune`` does by default (RunConfig's schedule, step and probes, or its
     gate training), None for any other variant."""
     cfg = RunConfig("any")
-    kind, *fields = variant.split(":")
-    tail = variant_tail(fields)
-    if method == "gates" and kind == "gates":
+    is_gates = variant.startswith("gates:")
+    if method == "gates" and is_gates:
         o = gates_options(variant)
         given = (o["gate_steps"], o["gate_lr"], o["gate_budget"], o["gate_lagrange_lr"],
                  o["gate_batch"])
         default = (cfg.gate_steps, cfg.gate_lr, cfg.gate_budget, cfg.gate_lagrange_lr,
                    cfg.gate_batch)
         return o["seed"] if given == default else None
-    if method == "taylor" and kind == default_schedule("taylor") and len(fields) == 2:
-        step, probes = fields
-        if float(step) == cfg.step and int(probes) == cfg.probes:
-            return tail.get("s", 0)
+    if method == "taylor" and not is_gates:
+        o = taylor_options(variant)
+        given = (o["schedule"], o["step"], o["probes"])
+        return o["seed"] if given == (default_schedule("taylor"), cfg.step,
+                                      cfg.probes) else None
     return None
 
 
