@@ -82,6 +82,26 @@ def test_interrupted_run_resumes(tmp_path):
                  "--batch-size", "2", "-q")
     assert r.returncode == 0, r.stderr
     uninterrupted = json.loads((full / "results.json").read_text())
-    for key in ("importance", "kept_heads", "curve", "heads_kept"):
-        assert resumed[key] == uninterrupted[key], key
-    assert resumed["quality"]["after"] == uninterrupted["quality"]["after"]
+    # the checkpoint's scores and curve were summed in float32 on the machine that wrote
+    # the fixture; another CPU's kernels may round the last bits differently
+    assert resumed["kept_heads"] == uninterrupted["kept_heads"]
+    assert resumed["heads_kept"] == uninterrupted["heads_kept"]
+    for key in ("importance", "curve"):
+        assert _close(resumed[key], uninterrupted[key]), key
+    assert _close(resumed["quality"]["after"], uninterrupted["quality"]["after"])
+    # and the resumed run took them from the checkpoint rather than scoring again
+    saved = torch.load(FIXTURE / "interrupted" / "checkpoint.pt", weights_only=False)
+    assert resumed["importance"] == saved["prune/michel"]["step_scores"][-1]["scores"]
+
+
+def _close(a, b, rel: float = 1e-6) -> bool:
+    """``a == b`` with floats equal to ``rel``, through lists and dicts."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _close(a[k], b[k], rel) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(
+            _close(x, y, rel) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= rel * max(abs(a), abs(b))
+    return a == b
