@@ -38,15 +38,16 @@ from study_tables import (  # noqa: E402
 
 from headlab._util.units import human_bytes  # noqa: E402
 from headlab.bench._common import against  # noqa: E402
+from headlab.runs.config import DEFAULT_METHOD  # noqa: E402
 
 MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")
 TRADEOFF_MARKERS = ("<!-- tradeoff:start -->", "<!-- tradeoff:end -->")
 KV_MARKERS = ("<!-- kvcache:start -->", "<!-- kvcache:end -->")
 METHOD_MARKERS = ("<!-- methods:start -->", "<!-- methods:end -->")
 # bench quality's rows in docs/prune-and-repair.md's table of methods, as its columns name them
-METHOD_COLUMNS = {"michel_unnormalised": "michel `--no-normalize`", "michel": "michel",
-                  "taylor": "taylor (default)", "gates": "gates", "flap": "flap",
-                  "random": "random, 3 seeds"}
+METHOD_COLUMNS = {m: name + (" (default)" if m == DEFAULT_METHOD else "") for m, name in {
+    "michel_unnormalised": "michel `--no-normalize`", "michel": "michel", "taylor": "taylor",
+    "gates": "gates", "flap": "flap", "random": "random, 3 seeds"}.items()}
 # the scores that gate heads (the count table's rows), as `--method` names them
 GATE_BASED = {"taylor": "`taylor`", "gates": "`gates`",
               "michel_unnormalised": "`michel --no-normalize`", "michel": "`michel`"}

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from schedule_study import gates_options, taylor_options  # noqa: E402
 
-from headlab.runs.config import RunConfig  # noqa: E402
+from headlab.runs.config import DEFAULT_METHOD, RunConfig  # noqa: E402
 from headlab.schedule import default_schedule  # noqa: E402
 
 GATES_MARKERS = ("<!-- gates-budget:start -->", "<!-- gates-budget:end -->")
@@ -122,7 +122,7 @@ def _default_study(studies: list[tuple[dict, dict]]) -> list[str]:
             if not seeded:
                 continue
             rs = [r for _, r in seeded]
-            default = " (the default)" if method == cfg.method else ""
+            default = " (the default)" if method == DEFAULT_METHOD else ""
             rows.append(f"| {name} | `{method}`{default}: {how[method]} | "
                         f"{', '.join(str(s) for s, _ in seeded)} | {_cell(rs, 'pruned')} | "
                         f"{_cell(rs, 'lsq')} | {_mean(rs, 'score_s'):.0f} |")

@@ -40,7 +40,7 @@ from headlab.bench.hooks import peak_bytes
 from headlab.errors import UserError
 from headlab.models.gpt2 import GPT2, GPT2Config
 from headlab.models.llama import Llama, LlamaConfig
-from headlab.runs.config import RunConfig
+from headlab.runs.config import DEFAULT_METHOD
 
 NAMES = ["attention", "models", "hooks", "importance", "pruning", "generate"]
 
@@ -201,8 +201,8 @@ def test_recovery_tradeoff_table(tiny_run):
     recovery = {r.name: r for r in results}["recovery"]
     # the sizes are chosen as `headlab prune` chooses them by default, and it says so
     d = json.loads((out / "recovery.json").read_text())
-    assert d["config"]["prune_method"] == RunConfig.method
-    assert f"method='{RunConfig.method}'" in recovery.method["pruning"]
+    assert d["config"]["prune_method"] == DEFAULT_METHOD
+    assert f"method='{DEFAULT_METHOD}'" in recovery.method["pruning"]
     # rescale, Kwon et al.'s, on the same pruned model, held to no worse than no repair
     (t,) = [t for t in recovery.targets if t.figure == "minilm-l6.rescale_kept_over_none"]
     assert (t.target, t.op) == (1.0, "<=")

@@ -65,7 +65,9 @@ def test_prune_writes_results_report_and_model(pruned_run):
     data = results["data"]  # 2048 tokens in blocks of 64, split in half
     assert (data["scoring_examples"], data["heldout_examples"]) == (16, 16)
     assert data["scoring_tokens"] == data["heldout_tokens"] == 16 * 64
-    assert set(results["curves"]) == {"taylor", "random"}
+    # the default method, in its own schedule: gates, trained once toward the target
+    assert (results["method"], results["schedule"]) == ("gates", "one-shot")
+    assert set(results["curves"]) == {"gates", "random"}
     lat = results["latency_ms"]
     assert lat["before"] > 0 and lat["after"] > 0 and (lat["batch"], lat["seq_len"]) == (4, 64)
     # the scores that chose each removal: a pruned head names its scoring, a kept one none
@@ -75,8 +77,7 @@ def test_prune_writes_results_report_and_model(pruned_run):
               for h, k in enumerate(row) if k is not None}
     assert chosen == {(la, h) for la, row in enumerate(results["importance"])
                       for h in range(len(row))} - kept
-    assert removal["scorings"] > 1  # iterative: the heads left were scored again
-    assert {k for row in removal["scoring"] for k in row if k is not None} != {0}
+    assert removal["scorings"] == 1  # one-shot (test_compat: an iterative run's several)
     # and at the longer length attention weighs at, capped by the model's 128 positions
     by_length = lat["by_length"]
     assert [(x["batch"], x["seq_len"]) for x in by_length] == [(4, 64), (1, 128)]
@@ -217,7 +218,13 @@ def test_prune_takes_per_token_gates_beside_a_random_curve(tiny_gpt2_dir, tmp_pa
                 "random", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "config.json").read_text())["per_token"] is True
-    assert set(json.loads((out / "results.json").read_text())["curves"]) == {"michel", "random"}
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["curves"]) == {"michel", "random"}
+    # iterative, michel's own schedule: the heads left were scored again, and each
+    # removal names the scoring that chose it
+    removal = results["removal_scores"]
+    assert results["schedule"] == "iterative" and removal["scorings"] > 1
+    assert {k for row in removal["scoring"] for k in row if k is not None} != {0}
 
 
 def test_ctrl_c_leaves_interrupted_status_and_no_partial_results(tiny_gpt2_dir, tmp_path):

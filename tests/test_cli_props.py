@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headlab.errors import UserError
-from headlab.runs.config import DEVICES, DTYPES, METHODS, SCHEDULES, RunConfig, load_recipe
+from headlab.runs.config import (
+    DEFAULT_METHOD,
+    DEVICES,
+    DTYPES,
+    METHODS,
+    SCHEDULES,
+    UNTARGETED_METHOD,
+    RunConfig,
+    load_recipe,
+)
 
 _values = st.one_of(
     st.none(), st.booleans(), st.integers(-10**6, 10**6),
@@ -37,7 +46,8 @@ def test_run_config_accepts_or_says_why(d):
         assert named, f"{message!r} names none of {sorted(keys)}"
         return
     # whatever passed validation is in range, and is what was given
-    assert all(getattr(cfg, k) == v or (v != v) for k, v in d.items())  # NaN never passes
+    assert all(getattr(cfg, k) == v or (v != v)  # NaN never passes
+               or (k, v) == ("method", None) for k, v in d.items())  # None: the default
     assert cfg.keep is None or 0 < cfg.keep <= 1
     assert cfg.prune is None or cfg.prune >= 1
     assert cfg.keep is None or cfg.prune is None
@@ -49,6 +59,20 @@ def test_run_config_accepts_or_says_why(d):
     assert cfg.schedule in (*SCHEDULES, None) and cfg.dtype in DTYPES
     assert cfg.device in DEVICES or cfg.device.startswith("cuda:")
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_method_left_unsaid_is_the_default_where_a_target_is_given():
+    """The gates train toward a number of heads: the default wherever a run names one; a
+    score run that names none scores with taylor; a method given is kept."""
+    assert (DEFAULT_METHOD, UNTARGETED_METHOD) == ("gates", "taylor")
+    for kw in ({"keep": 0.6}, {"prune": 3}, {"unit": "kv-group", "kv_keep": 0.5}):
+        assert RunConfig.from_dict({"model": "m", **kw}).method == "gates", kw
+    assert RunConfig.from_dict({"model": "m", "command": "score"}).method == "taylor"
+    assert RunConfig.from_dict({"model": "m", "command": "score", "keep": 0.6}).method == "gates"
+    assert RunConfig.from_dict({"model": "m", "command": "score", "method": "michel"}
+                               ).method == "michel"
+    cfg = RunConfig.from_dict({"model": "m", "keep": 0.6})
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg  # a resumed run keeps what it ran
 
 
 @settings(max_examples=100, deadline=None)

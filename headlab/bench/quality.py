@@ -17,7 +17,7 @@ from headlab.bench._data import describe, scoring_and_heldout
 from headlab.bench._parts import Parts, measure_part
 from headlab.importance import JOINT, TARGETED
 from headlab.importance.gates import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_LR, DEFAULT_STEPS
-from headlab.runs.config import RunConfig
+from headlab.runs.config import DEFAULT_METHOD, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,6 @@ QUALITY_VARIANTS = {
 }
 # held to the bar against random: on every model, and on the causal LMs besides
 QUALITY_TARGETED, DECODER_TARGETED = "michel_unnormalised", ("michel", "taylor")
-DEFAULT_METHOD = RunConfig.method  # `headlab prune`'s default --method
 GATES_BAR = ("michel", "michel_unnormalised", "taylor")  # gates are held against the best
 FLAP_REPAIR = "bias"  # FLAP's own bias compensation, `headlab.recover(method="bias")`
 

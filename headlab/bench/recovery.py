@@ -21,7 +21,7 @@ from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
 from headlab.bench._parts import Parts, measure_part
 from headlab.importance import TARGETED
-from headlab.runs.config import RunConfig
+from headlab.runs.config import DEFAULT_METHOD, RunConfig
 from headlab.schedule import default_schedule
 
 __all__ = ["RecoverySizes", "bench_recovery"]
@@ -42,7 +42,7 @@ class RecoverySizes:
     keeps: tuple[float, ...] = (0.8, 0.6, 0.4)  # the trade-off table's sizes
     step: float = RunConfig.step
     batch: int = 8
-    prune_method: str = RunConfig.method  # what `headlab prune` chooses heads with
+    prune_method: str = DEFAULT_METHOD  # what `headlab prune` chooses heads with
     method: str = "lsq"
     targets: dict[str, float] = field(default_factory=lambda: {"smollm2-135m": 0.25,
                                                                "gemma3-270m": 0.25,

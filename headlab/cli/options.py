@@ -20,6 +20,7 @@ import typer
 from headlab.importance.gates import BUDGETS as GATE_BUDGETS
 from headlab.models.loading import BUNDLED
 from headlab.runs.config import (
+    DEFAULT_METHOD,
     DEMOTE_BY,
     DEVICES,
     DTYPES,
@@ -29,6 +30,7 @@ from headlab.runs.config import (
     RECOVERY_METHODS,
     SCHEDULES,
     SHARDING,
+    UNTARGETED_METHOD,
     RunConfig,
 )
 from headlab.schedule import UNITS
@@ -43,7 +45,6 @@ RecoverParams = StrEnum("RecoverParams", [(m, m) for m in RECOVER_PARAMS])
 Sharding = StrEnum("Sharding", [(m, m) for m in SHARDING])
 GateBudget = StrEnum("GateBudget", [(m, m) for m in GATE_BUDGETS])
 D = RunConfig.defaults()
-DEFAULT_METHOD = Method(D["method"])
 DEFAULT_DEVICE, DEFAULT_DTYPE = Device(D["device"]), DType(D["dtype"])
 DEFAULT_RECOVERY, DEFAULT_RECOVER_PARAMS = Recovery(D["recover"]), RecoverParams(
     D["recover_params"])
@@ -60,7 +61,9 @@ ResumeOpt = Annotated[Path | None, typer.Option(
 DataOpt = Annotated[str | None, typer.Option(
     help="enwiki (Wikipedia articles, offline, split by article), a dataset "
          "name:config:split, or a .txt/.jsonl/.csv/.tsv file; default: bundled text.")]
-MethodOpt = Annotated[Method, typer.Option(help="Importance method.")]
+MethodOpt = Annotated[Method | None, typer.Option(
+    help=f"Importance method [default: {DEFAULT_METHOD}; {UNTARGETED_METHOD} on score "
+         "without --keep or --prune]", show_default=False)]
 OutOpt = Annotated[str | None, typer.Option(
     help="Run directory (default reports/<model>-<method>-<target>-<time>/, the target "
          "keep<k>, prune<n> or score).")]
@@ -234,7 +237,7 @@ TARGET = (
         help="Fraction of heads to keep, in (0, 1].")]),
     Opt("prune_n", Annotated[int | None, typer.Option("--prune",
                                                       help="Number of heads to remove.")]))
-METHOD = Opt("method", MethodOpt, DEFAULT_METHOD)
+METHOD = Opt("method", MethodOpt, None)
 SCHEDULE = (
     Opt("schedule", Annotated[Schedule | None, typer.Option(
         help="Re-score after each step (iterative), or score once (one-shot); by default "

@@ -36,6 +36,12 @@ from headlab.selection import GROUP_SCORES
 
 DEVICES = ("auto", "cpu", "cuda")
 SHARDING = ("fsdp",)  # headlab.parallel.sharding: the weights split across torchrun ranks
+# --method when none is given, chosen by measurement (docs/prune-and-repair.md, "The
+# default method"): the gates, which train toward the number of heads to keep; a run
+# that names no such number (headlab score without --keep) scores with taylor, the best
+# of the scores of one head at a time
+DEFAULT_METHOD = "gates"
+UNTARGETED_METHOD = "taylor"
 
 COMMANDS = ("prune", "score", "eval")
 # what chooses the groups --demote demotes: a decoder's head-type detector, or
@@ -50,7 +56,7 @@ class RunConfig:
 
     model: str
     command: str = "prune"
-    method: str = "taylor"  # chosen by measurement: docs/prune-and-repair.md
+    method: str | None = None  # None: DEFAULT_METHOD, or UNTARGETED_METHOD without a target
     compare: list[str] = field(default_factory=list)  # more methods, one curve each
     keep: float | None = None
     prune: int | None = None
@@ -116,6 +122,11 @@ class RunConfig:
     window: int = 256
     demote_by: str | None = None  # DEMOTE_BY: what chooses the demoted groups; None: method
     decode_steps: int = 8  # timed decoding steps per context (kv-group and demote runs)
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            untargeted = self.command == "score" and self.keep is None and self.prune is None
+            self.method = UNTARGETED_METHOD if untargeted else DEFAULT_METHOD
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
