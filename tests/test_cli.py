@@ -326,7 +326,7 @@ def test_others_load_counts_another_process_not_this_one():
     import sys
     import time
 
-    from headlab._util.timing import busy, others_load
+    from headlab._util.timing import busy, cpu_sample, others_load, others_since
 
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -336,6 +336,8 @@ def test_others_load_counts_another_process_not_this_one():
         spinner.kill()
         spinner.wait()
     assert busy(0.9).startswith("the machine is busy") and busy(0.2) is None
+    # an instant says nothing (a benchmark resumed with every part kept runs no time)
+    assert others_since(cpu_sample()) is None
 
 
 def test_report_and_terminal_print_the_same_units(pruned_run):

@@ -105,15 +105,18 @@ def cpu_sample() -> tuple[int, int, float] | None:
         return None
 
 
-def others_since(start: tuple[int, int, float] | None) -> float | None:
+def others_since(start: tuple[int, int, float] | None,
+                 shortest: float = 0.25) -> float | None:
     """Cores' worth of CPU that other processes used since ``start`` (a `cpu_sample`), on
-    average: every core's busy time less this process's own; None where /proc cannot say."""
+    average: every core's busy time less this process's own; None where /proc cannot say,
+    or when less than ``shortest`` seconds passed (/proc counts whole clock ticks, a
+    hundredth of a second each: a few of them over an instant read as several cores)."""
     end = cpu_sample() if start is not None else None
-    if end is None:
+    if end is None or end[2] - start[2] < shortest:
         return None
     (busy0, own0, t0), (busy1, own1, t1) = start, end
     ticks = max(0, (busy1 - busy0) - (own1 - own0))
-    return ticks / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-9)
+    return ticks / os.sysconf("SC_CLK_TCK") / (t1 - t0)
 
 
 def others_load(window: float = 0.5) -> float:
