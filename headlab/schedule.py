@@ -17,7 +17,7 @@ from headlab._util.progress import track
 from headlab.data.blocks import Blocks
 from headlab.errors import UserError
 from headlab.evaluate.quality import evaluate
-from headlab.importance import JOINT, TARGETED, HeadScores, score
+from headlab.importance import DEFAULT_METHOD, JOINT, TARGETED, HeadScores, score
 from headlab.models.base import HeadModel
 from headlab.objectives import DEFAULT_BATCH_SIZE
 from headlab.parallel import distributed
@@ -132,7 +132,7 @@ def prune_to_target(
     scoring: Blocks,
     heldout: Blocks,
     *,
-    method: str = "michel",
+    method: str = DEFAULT_METHOD,
     n_keep: int,
     schedule: str | None = None,
     step: float = 0.1,

@@ -31,8 +31,9 @@ def _pipeline(model_dir: str) -> dict:
               for m in ("michel", "fisher", "ablation", "entropy")}
     quality = headlab.evaluate(model, blocks, batch_size=2)
     total = model.n_layers * model.n_original_heads
-    res = headlab.prune_to_target(model, blocks, blocks, n_keep=headlab.heads_to_keep(
-        total, keep=0.5), step=0.25, batch_size=2)
+    res = headlab.prune_to_target(model, blocks, blocks, method="michel",
+                                  n_keep=headlab.heads_to_keep(total, keep=0.5), step=0.25,
+                                  batch_size=2)
     return {
         "scores": {m: s.scores for m, s in scores.items()},
         "n_tokens": scores["michel"].n_tokens,
@@ -135,6 +136,6 @@ def test_bfloat16_on_gpu_matches_float32(tiny_gpt2_dir):
     assert ((a - b).norm() / a.norm()).item() < 1e-2
     blocks = headlab.make_blocks(headlab.load_texts(), ref.tokenizer, kind=ref.kind,
                                  seq_len=64, max_tokens=4096)
-    s32 = headlab.score(ref, blocks).tensor().flatten()
-    s16 = headlab.score(low, blocks).tensor().flatten()
+    s32 = headlab.score(ref, blocks, method="michel").tensor().flatten()
+    s16 = headlab.score(low, blocks, method="michel").tensor().flatten()
     assert spearmanr(s32, s16).statistic >= 0.95

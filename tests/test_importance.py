@@ -27,7 +27,14 @@ from torch.testing import assert_close
 from headlab.data.blocks import Blocks
 from headlab.data.texts import load_texts
 from headlab.evaluate.quality import evaluate
-from headlab.importance import METHODS, TARGETED, HeadScores, score
+from headlab.importance import (
+    DEFAULT_METHOD,
+    METHODS,
+    TARGETED,
+    UNTARGETED_METHOD,
+    HeadScores,
+    score,
+)
 from headlab.objectives import make_blocks
 
 N, S = 6, 24
@@ -185,10 +192,18 @@ def test_pruned_heads_score_as_their_masked_twins(tiny_gpt2, tiny_gpt2_dir, bloc
         assert torch.isnan(a[1, [0, 3]]).all() and not torch.isnan(a[1, [1, 2]]).any()
 
 
+def test_a_method_left_unsaid_is_the_runs_default(tiny_gpt2, blocks):
+    """As `headlab prune` and `headlab score` choose: the gates where a target is given,
+    taylor where none is."""
+    assert (DEFAULT_METHOD, UNTARGETED_METHOD) == ("gates", "taylor")
+    assert score(tiny_gpt2, blocks).method == "taylor"
+    assert score(tiny_gpt2, blocks, target=6, gate_steps=2).method == "gates"
+
+
 # ---------------------------------------------------------------------- normalisation
 def test_layer_l2_gives_unit_rows(tiny_gpt2, blocks):
-    raw = score(tiny_gpt2, blocks, normalize=False).tensor()
-    norm = score(tiny_gpt2, blocks, normalize=True)
+    raw = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
+    norm = score(tiny_gpt2, blocks, method="michel", normalize=True)
     assert norm.normalisation == "layer-l2"
     t = norm.tensor()
     assert_close(t.norm(dim=1), torch.ones(3, dtype=torch.float64), rtol=1e-12, atol=0)
@@ -197,23 +212,23 @@ def test_layer_l2_gives_unit_rows(tiny_gpt2, blocks):
 
 def test_layer_l2_ignores_absent_heads(tiny_gpt2, blocks):
     tiny_gpt2.mask_heads({0: [2]})
-    t = score(tiny_gpt2, blocks, normalize=True).tensor()
+    t = score(tiny_gpt2, blocks, method="michel", normalize=True).tensor()
     assert math.isnan(t[0, 2])
     assert_close(t.nan_to_num(0.0).norm(dim=1), torch.ones(3, dtype=torch.float64),
                  rtol=1e-12, atol=0)
 
 
 def test_global_minmax_spans_zero_to_one(tiny_gpt2, blocks):
-    l2 = score(tiny_gpt2, blocks).tensor()
-    s = score(tiny_gpt2, blocks, global_minmax=True)
+    l2 = score(tiny_gpt2, blocks, method="michel").tensor()
+    s = score(tiny_gpt2, blocks, method="michel", global_minmax=True)
     assert s.normalisation == "layer-l2+minmax"
     t = s.tensor()
     assert float(t.min()) == 0.0 and float(t.max()) == 1.0
     assert_close(t, (l2 - l2.min()) / (l2.max() - l2.min()), rtol=1e-12, atol=1e-15)
     # ranks are unchanged by either normalisation within a layer
-    raw = score(tiny_gpt2, blocks, normalize=False).tensor()
+    raw = score(tiny_gpt2, blocks, method="michel", normalize=False).tensor()
     assert torch.equal(t.argsort(dim=1), raw.argsort(dim=1))
-    only = score(tiny_gpt2, blocks, normalize=False, global_minmax=True)
+    only = score(tiny_gpt2, blocks, method="michel", normalize=False, global_minmax=True)
     assert only.normalisation == "minmax"
     assert_close(only.tensor(), (raw - raw.min()) / (raw.max() - raw.min()),
                  rtol=1e-12, atol=1e-15)
@@ -265,7 +280,7 @@ def test_bad_arguments_are_refused(tiny_gpt2, blocks):
     with pytest.raises(ValueError, match="unknown importance method 'gradient'.*michel"):
         score(tiny_gpt2, blocks, method="gradient")
     with pytest.raises(ValueError, match="score: .* holds no blocks"):
-        score(tiny_gpt2, blocks.subset([]))
+        score(tiny_gpt2, blocks.subset([]), method="michel")
 
 
 # ---------------------------------------------------------------------- HeadScores
@@ -299,7 +314,7 @@ def test_csv_round_trip(tmp_path):
 
 def test_real_scores_round_trip(tiny_gpt2, blocks):
     tiny_gpt2.mask_heads({1: [2]})
-    s = score(tiny_gpt2, blocks.subset([0, 1]))
+    s = score(tiny_gpt2, blocks.subset([0, 1]), method="michel")
     back = HeadScores.from_json(json.dumps(s.to_json()))
     assert_close(back.tensor(), s.tensor(), rtol=0, atol=0, equal_nan=True)
     assert back.extra == s.extra and back.data == s.data

@@ -225,7 +225,7 @@ def test_plan_from_a_masked_model_removes_the_masked_heads(tiny_gpt2, tiny_gpt2_
     """Heads masked before scoring score NaN; the plan must still remove them."""
     scoring, _ = data
     tiny_gpt2.mask_heads({0: [1], 2: [3]})
-    plan = select(score(tiny_gpt2, scoring), heads_to_keep(12, keep=0.5))
+    plan = select(score(tiny_gpt2, scoring, method="michel"), heads_to_keep(12, keep=0.5))
     assert 1 in plan.pruned[0] and 3 in plan.pruned[2]
     gated = headlab.load(tiny_gpt2_dir)
     gated.mask_heads(plan.pruned)
@@ -283,8 +283,9 @@ def _pruned_set(plan: PrunePlan) -> set[tuple[int, int]]:
 def test_iterative_schedule(tiny_gpt2, tiny_gpt2_dir, data):
     scoring, heldout = data
     seen = []
-    res = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=heads_to_keep(12, keep=0.5),
-                          step=0.25, schedule="iterative", batch_size=4, on_step=seen.append)
+    res = prune_to_target(tiny_gpt2, scoring, heldout, method="michel",
+                          n_keep=heads_to_keep(12, keep=0.5), step=0.25, schedule="iterative",
+                          batch_size=4, on_step=seen.append)
     assert [p.fraction_pruned for p in res.curve] == [0.0, 0.25, 0.5]
     assert [p.heads_kept for p in res.curve] == [12, 9, 6]
     assert seen == res.curve
@@ -295,7 +296,8 @@ def test_iterative_schedule(tiny_gpt2, tiny_gpt2_dir, data):
     # step 1 prunes the 3 lowest of the first scores; step 2 re-scores with that mask
     first = select(res.step_scores[0], heads_to_keep(12, prune=3))
     assert_close(res.step_scores[1].tensor(),
-                 score(_masked_copy(tiny_gpt2_dir, first.pruned), scoring, seed=1).tensor(),
+                 score(_masked_copy(tiny_gpt2_dir, first.pruned), scoring, method="michel",
+                       seed=1).tensor(),
                  rtol=1e-6, atol=0, equal_nan=True)
     second = select(res.step_scores[1], heads_to_keep(12, prune=6))
     assert _pruned_set(first) <= _pruned_set(second) == _pruned_set(res.plan)
@@ -309,8 +311,9 @@ def test_iterative_schedule(tiny_gpt2, tiny_gpt2_dir, data):
 
 def test_one_shot_schedule_gives_nested_plans(tiny_gpt2, tiny_gpt2_dir, data):
     scoring, heldout = data
-    res = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=heads_to_keep(12, keep=0.5),
-                          step=0.25, schedule="one-shot", batch_size=4)
+    res = prune_to_target(tiny_gpt2, scoring, heldout, method="michel",
+                          n_keep=heads_to_keep(12, keep=0.5), step=0.25, schedule="one-shot",
+                          batch_size=4)
     assert [p.fraction_pruned for p in res.curve] == [0.0, 0.25, 0.5]
     assert [p.heads_kept for p in res.curve] == [12, 9, 6]
     assert len(res.step_scores) == 1  # scored once
@@ -347,11 +350,11 @@ def test_plan_at_is_the_shorter_runs_plan(tiny_gpt2, data, schedule):
     """One run to 4 heads holds the plan a run stopped at 10, 9, 7 or 5 would choose
     (steps of 3: a stop between two steps and one on a step), and 12 keeps every head."""
     scoring, heldout = data
-    long = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=4, step=0.25,
+    long = prune_to_target(tiny_gpt2, scoring, heldout, method="michel", n_keep=4, step=0.25,
                            schedule=schedule, batch_size=4)
     assert _pruned_set(long.plan_at(4)) == _pruned_set(long.plan)
     for n in (10, 9, 7, 5):
-        short = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=n, step=0.25,
+        short = prune_to_target(tiny_gpt2, scoring, heldout, method="michel", n_keep=n, step=0.25,
                                 schedule=schedule, batch_size=4)
         at = long.plan_at(n)
         assert at.n_kept == n and _pruned_set(at) == _pruned_set(short.plan), n
@@ -376,19 +379,19 @@ def test_given_scores_choose_without_scoring(tiny_gpt2, data, table, monkeypatch
                              method="sink", batch_size=4)
     assert unsaid.plan == res.plan and unsaid.curve == res.curve
     with pytest.raises(UserError, match="not re-scored: use schedule='one-shot'"):
-        prune_to_target(tiny_gpt2, scoring, heldout, n_keep=5, scores=table,
+        prune_to_target(tiny_gpt2, scoring, heldout, method="michel", n_keep=5, scores=table,
                         schedule="iterative")
 
 
 def test_schedule_arguments_are_checked(tiny_gpt2, data):
     scoring, heldout = data
     with pytest.raises(UserError, match="schedule must be 'iterative' or 'one-shot'"):
-        prune_to_target(tiny_gpt2, scoring, heldout, n_keep=6, schedule="greedy")
+        prune_to_target(tiny_gpt2, scoring, heldout, method="michel", n_keep=6, schedule="greedy")
     with pytest.raises(UserError, match=r"step must be in \(0, 1\]"):
-        prune_to_target(tiny_gpt2, scoring, heldout, n_keep=6, step=0)
+        prune_to_target(tiny_gpt2, scoring, heldout, method="michel", n_keep=6, step=0)
     for n in (0, 13):
         with pytest.raises(UserError, match=f"n_keep must be between 1 and 12 heads .*got {n}"):
-            prune_to_target(tiny_gpt2, scoring, heldout, n_keep=n)
+            prune_to_target(tiny_gpt2, scoring, heldout, method="michel", n_keep=n)
 
 
 @pytest.mark.parametrize("schedule", ["iterative", "one-shot"])
@@ -397,7 +400,7 @@ def test_prune_to_target_leaves_the_gates_as_they_were(tiny_gpt2, data, schedule
     halved gate is halved again; an exception mid-schedule restores them too."""
     scoring, heldout = data
     before = _odd_gates(tiny_gpt2)
-    res = prune_to_target(tiny_gpt2, scoring, heldout, n_keep=6, step=0.25,
+    res = prune_to_target(tiny_gpt2, scoring, heldout, method="michel", n_keep=6, step=0.25,
                           schedule=schedule, batch_size=4)
     for g, b in zip(tiny_gpt2.gates(), before, strict=True):
         assert torch.equal(g, b)
@@ -408,7 +411,7 @@ def test_prune_to_target_leaves_the_gates_as_they_were(tiny_gpt2, data, schedule
         if point.heads_kept == 9:
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        prune_to_target(tiny_gpt2, scoring, heldout, n_keep=6, step=0.25,
+        prune_to_target(tiny_gpt2, scoring, heldout, method="michel", n_keep=6, step=0.25,
                         schedule=schedule, batch_size=4, on_step=stop)
     for g, b in zip(tiny_gpt2.gates(), before, strict=True):
         assert torch.equal(g, b)
@@ -418,7 +421,7 @@ def test_interrupted_schedule_resumes_to_the_same_result(tiny_gpt2_dir, data, tm
     """Stopped after its first step, a schedule resumed from the checkpoint on a fresh
     model ends with the plan, curve and scores of an uninterrupted one."""
     scoring, heldout = data
-    kw = {"n_keep": 6, "step": 0.25, "batch_size": 4}
+    kw = {"method": "michel", "n_keep": 6, "step": 0.25, "batch_size": 4}
     full = prune_to_target(_masked_copy(tiny_gpt2_dir, {}), scoring, heldout, **kw)
 
     def stop(point: CurvePoint) -> None:

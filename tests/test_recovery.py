@@ -677,7 +677,8 @@ def test_recovery_after_each_step_scores_and_measures_the_repaired_model():
     masked model; the last point is what prune, then recover of the plan give."""
     reference = _llama(initializer_range=0.1)
     scoring, heldout = _sampled(reference, 24, 16, 0), _sampled(reference, 24, 16, 1)
-    kw = dict(n_keep=10, step=0.25, batch_size=8)  # 18 heads -> 14 -> 10: two steps
+    # 18 heads -> 14 -> 10: two steps
+    kw = dict(method="michel", n_keep=10, step=0.25, batch_size=8)
     plain = prune_to_target(reference, scoring, heldout, **kw)
     ours = prune_to_target(reference, scoring, heldout, recover="lsq", **kw)
     assert [p.heads_kept for p in ours.curve] == [18, 14, 10]
@@ -688,7 +689,7 @@ def test_recovery_after_each_step_scores_and_measures_the_repaired_model():
     recover(first, reference, scoring, method="lsq")
     assert ours.curve[1].loss == pytest.approx(evaluate(first, heldout).loss, rel=1e-6)
     assert ours.curve[1].loss < plain.curve[1].loss
-    rescored = headlab.score(first, scoring, batch_size=8, seed=1).tensor()
+    rescored = headlab.score(first, scoring, method="michel", batch_size=8, seed=1).tensor()
     assert_close(ours.step_scores[1].tensor(), rescored, rtol=1e-6, atol=1e-9, equal_nan=True)
     masked = plain.step_scores[1].tensor()
     assert not torch.allclose(rescored.nan_to_num(), masked.nan_to_num(), rtol=1e-3)
@@ -704,7 +705,7 @@ def test_recovery_after_each_step_scores_and_measures_the_repaired_model():
 def test_recovery_after_each_step_takes_a_training_free_method():
     reference, blocks = _llama(), _blocks()
     with pytest.raises(UserError, match="no training"):
-        prune_to_target(reference, blocks, blocks, n_keep=9, recover="distill")
+        prune_to_target(reference, blocks, blocks, method="michel", n_keep=9, recover="distill")
 
 
 # ---------------------------------------------------------------------- every family

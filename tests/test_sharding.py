@@ -260,7 +260,7 @@ def _gpu_worker(rank: int, world: int, store: str, out: str) -> None:
         blocks = headlab.make_blocks(headlab.load_texts(), model.tokenizer, kind=model.kind,
                                      seq_len=256, max_tokens=8192)
         torch.cuda.reset_peak_memory_stats()
-        scores = headlab.score(model, blocks, batch_size=8).scores
+        scores = headlab.score(model, blocks, method="michel", batch_size=8).scores
         est = memory.estimate(model, ranks=world, batch_size=8, seq_len=256, backward=True,
                               dtype=torch.bfloat16)
         if rank == 0:
@@ -280,7 +280,7 @@ def test_bf16_sharded_scores_rank_heads_like_float32(tmp_path):
     ref = headlab.load("smollm2-135m", device="cuda", dtype=torch.float32)
     blocks = headlab.make_blocks(headlab.load_texts(), ref.tokenizer, kind=ref.kind,
                                  seq_len=256, max_tokens=8192)
-    s32 = headlab.score(ref, blocks, batch_size=8).tensor().flatten()
+    s32 = headlab.score(ref, blocks, method="michel", batch_size=8).tensor().flatten()
     del ref
     world = torch.cuda.device_count()
     out = tmp_path / "bf16.json"

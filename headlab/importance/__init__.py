@@ -56,6 +56,11 @@ LOSS_ESTIMATES = ("taylor", "ablation")
 # are, so layer-l2 normalisation is off by default for them too.
 JOINT = ("gates", "flap")
 TARGETED = ("gates",)  # the methods that need the number of heads (or groups) to keep
+# what scores when no method is named, chosen by measurement (docs/prune-and-repair.md,
+# "The default method"): the gates, trained toward the number of heads to keep; where no
+# such number is given, taylor, the best of the scores of one head at a time
+DEFAULT_METHOD = "gates"
+UNTARGETED_METHOD = "taylor"
 PER_TOKEN_METHODS = ("michel", "fisher")  # the gradient methods a gate per token serves
 
 
@@ -63,7 +68,7 @@ def score(
     model: HeadModel,
     blocks: Blocks,
     *,
-    method: str = "michel",
+    method: str | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     normalize: bool | None = None,
     global_minmax: bool = False,
@@ -87,8 +92,9 @@ def score(
     ``checkpoint``, gradient scoring saves its sums every ``checkpoint.every`` batches
     (and when interrupted) and resumes from them.
 
-    ``blocks`` must be prepared for the model (`headlab.prepare`); the loss is the
-    model's objective's (`headlab.objectives`).
+    ``method`` None is `DEFAULT_METHOD` where a ``target`` is given, else
+    `UNTARGETED_METHOD`. ``blocks`` must be prepared for the model (`headlab.prepare`);
+    the loss is the model's objective's (`headlab.objectives`).
     ``normalize`` divides each layer by its l2 norm (Michel et al.); by default it does
     for every method but the loss estimates (taylor, ablation) and random.
     ``global_minmax`` then rescales all scores to [0, 1] (as the bertology script did).
@@ -102,6 +108,8 @@ def score(
     multipliers, trained at ``gate_lagrange_lr`` (None: ``gate_lr``)
     (`headlab.importance.gates`).
     """
+    if method is None:
+        method = UNTARGETED_METHOD if target is None else DEFAULT_METHOD
     if method not in METHODS:
         raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
     objective = objective_for(model)

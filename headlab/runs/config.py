@@ -19,7 +19,13 @@ from headlab._util.checks import MAX_SEED
 from headlab.data.protocol import PROTOCOLS
 from headlab.detectors import DECODER_KINDS
 from headlab.errors import UserError
-from headlab.importance import METHODS, PER_TOKEN_METHODS, TARGETED
+from headlab.importance import (
+    DEFAULT_METHOD,
+    METHODS,
+    PER_TOKEN_METHODS,
+    TARGETED,
+    UNTARGETED_METHOD,
+)
 from headlab.importance.duo import DEFAULT_REG as GATE_REG
 from headlab.importance.duo import check_reg as check_gate_reg
 from headlab.importance.gates import DEFAULT_BATCH as GATE_BATCH
@@ -36,12 +42,6 @@ from headlab.selection import GROUP_SCORES
 
 DEVICES = ("auto", "cpu", "cuda")
 SHARDING = ("fsdp",)  # headlab.parallel.sharding: the weights split across torchrun ranks
-# --method when none is given, chosen by measurement (docs/prune-and-repair.md, "The
-# default method"): the gates, which train toward the number of heads to keep; a run
-# that names no such number (headlab score without --keep) scores with taylor, the best
-# of the scores of one head at a time
-DEFAULT_METHOD = "gates"
-UNTARGETED_METHOD = "taylor"
 
 COMMANDS = ("prune", "score", "eval")
 # what chooses the groups --demote demotes: a decoder's head-type detector, or
@@ -56,7 +56,8 @@ class RunConfig:
 
     model: str
     command: str = "prune"
-    method: str | None = None  # None: DEFAULT_METHOD, or UNTARGETED_METHOD without a target
+    method: str | None = None  # None: DEFAULT_METHOD, or UNTARGETED_METHOD without a
+    # target (headlab score without --keep or --prune), as headlab.score chooses
     compare: list[str] = field(default_factory=list)  # more methods, one curve each
     keep: float | None = None
     prune: int | None = None
