@@ -64,6 +64,12 @@ UNTARGETED_METHOD = "taylor"
 PER_TOKEN_METHODS = ("michel", "fisher")  # the gradient methods a gate per token serves
 
 
+def default_method(targeted: bool) -> str:
+    """The method a run that names none scores with: `DEFAULT_METHOD` where it gives the
+    number of heads to keep, else `UNTARGETED_METHOD`."""
+    return DEFAULT_METHOD if targeted else UNTARGETED_METHOD
+
+
 def score(
     model: HeadModel,
     blocks: Blocks,
@@ -109,7 +115,7 @@ def score(
     (`headlab.importance.gates`).
     """
     if method is None:
-        method = UNTARGETED_METHOD if target is None else DEFAULT_METHOD
+        method = default_method(target is not None)
     if method not in METHODS:
         raise UserError(f"unknown importance method {method!r}; choose from {', '.join(METHODS)}")
     objective = objective_for(model)

@@ -19,12 +19,13 @@ from headlab._util.checks import MAX_SEED
 from headlab.data.protocol import PROTOCOLS
 from headlab.detectors import DECODER_KINDS
 from headlab.errors import UserError
-from headlab.importance import (
+from headlab.importance import (  # noqa: F401 (DEFAULT_METHOD, UNTARGETED_METHOD: re-exported)
     DEFAULT_METHOD,
     METHODS,
     PER_TOKEN_METHODS,
     TARGETED,
     UNTARGETED_METHOD,
+    default_method,
 )
 from headlab.importance.duo import DEFAULT_REG as GATE_REG
 from headlab.importance.duo import check_reg as check_gate_reg
@@ -125,9 +126,9 @@ class RunConfig:
     decode_steps: int = 8  # timed decoding steps per context (kv-group and demote runs)
 
     def __post_init__(self) -> None:
-        if self.method is None:
-            untargeted = self.command == "score" and self.keep is None and self.prune is None
-            self.method = UNTARGETED_METHOD if untargeted else DEFAULT_METHOD
+        if self.method is None:  # prune always has a target (validated)
+            self.method = default_method(self.command != "score" or self.keep is not None
+                                         or self.prune is not None)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
