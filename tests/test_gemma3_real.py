@@ -11,6 +11,7 @@ default on a fake part file.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 
 import pytest
@@ -107,8 +108,6 @@ def test_gemma3_kv_groups_remove_whole_attention_layers_end_to_end(tmp_path):
     """On an MQA model a key/value group is a layer's whole attention: removing half of
     them leaves layers with no heads, which score, repair, measure, save, reload and
     decode; the HF export is declined in the results (HF has one head count)."""
-    import json
-
     out = tmp_path / "kv"
     res = _cli("prune", "--model", "gemma3-270m", "--data", "enwiki", "--unit", "kv-group",
                "--kv-keep", "0.5", "--max-tokens", "512", "--seq-len", "128", "--recover",
@@ -143,6 +142,8 @@ def test_gemma3_even_head_prune_exports_to_transformers(tmp_path):
                "128", "--recover", "bias", "--export", "hf", "--gate-steps", GATE_STEPS,
                "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr
+    result = json.loads((out / "results.json").read_text())
+    assert result["method"] == "gates" and result["scoring_details"]["target_met"]
     pruned = headlab.load(out / "model")
     assert pruned.heads_per_layer == [2] * 18
     hf = AutoModelForCausalLM.from_pretrained(str(out / "model-hf"), dtype=torch.float32)
@@ -194,8 +195,6 @@ def test_gemma3_every_method_scores_and_every_repair_repairs(gemma):
 def test_gemma3_inspect_detect_prune_eval_report_on_enwiki(tmp_path):
     """The commands a user runs on Gemma-3, end to end: inspect's HTML view, the
     detectors, a prune repaired by distillation, its evaluation and its report."""
-    import json
-
     view = tmp_path / "view.html"
     res = _cli("inspect", "gemma3-270m", _TEXTS[0], "--html", str(view))
     assert res.returncode == 0, res.stderr
