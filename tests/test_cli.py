@@ -211,13 +211,15 @@ def test_score_normalisation_options(tiny_gpt2_dir, tmp_path):
 
 
 def test_prune_takes_per_token_gates_beside_a_random_curve(tiny_gpt2_dir, tmp_path):
-    """The run's per-token option goes to michel, not to the random comparison."""
+    """The run's per-token option and layer norm go to michel, not to the random
+    comparison (random refuses --normalize as its own method)."""
     out = tmp_path / "pt"
     r = headlab("prune", "--model", str(tiny_gpt2_dir), "--keep", "0.5", "--max-tokens",
-                "1024", "--seq-len", "32", "--method", "michel", "--per-token", "--compare",
-                "random", "--out", str(out))
+                "1024", "--seq-len", "32", "--method", "michel", "--per-token", "--normalize",
+                "--compare", "random", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    assert json.loads((out / "config.json").read_text())["per_token"] is True
+    config = json.loads((out / "config.json").read_text())
+    assert config["per_token"] is True and config["normalize"] is True
     results = json.loads((out / "results.json").read_text())
     assert set(results["curves"]) == {"michel", "random"}
     # iterative, michel's own schedule: the heads left were scored again, and each

@@ -132,6 +132,8 @@ CASES = [
     ("score -m smollm2-135m --method gates --prune 270 --out {out}", "has 270 attention heads"),
     ("score -m {model} --method gates --out {out}", "give --keep FRACTION or --prune N"),
     ("score -m {model} --method michel --keep 0.5 --out {out}", "set the target of gates"),
+    ("prune -m {model} --keep 0.5 --method random --normalize --out {out}",
+     "--normalize does not apply to --method random"),
 ]
 
 
@@ -198,6 +200,8 @@ def test_api_arguments_are_checked_with_user_errors(tiny_gpt2):
     with pytest.raises(DataError, match="evaluate takes Blocks .* got list"):
         headlab.evaluate(tiny_gpt2, [])
     blocks = make_blocks(data, tok, kind="causal-lm", seq_len=32)
+    with pytest.raises(UserError, match="normalize does not apply to random"):
+        headlab.score(tiny_gpt2, blocks, method="random", normalize=True)
     with pytest.raises(DataError, match="holds no blocks"):
         headlab.evaluate(tiny_gpt2, blocks.subset([]))
     rows = make_blocks(data, tok, kind="embedding", seq_len=32)

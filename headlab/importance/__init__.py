@@ -102,7 +102,8 @@ def score(
     `UNTARGETED_METHOD`. ``blocks`` must be prepared for the model (`headlab.prepare`);
     the loss is the model's objective's (`headlab.objectives`).
     ``normalize`` divides each layer by its l2 norm (Michel et al.); by default it does
-    for every method but the loss estimates (taylor, ablation) and random.
+    for every method but the loss estimates (taylor, ablation), the joint ones (gates,
+    flap) and random, to which it does not apply (UserError).
     ``global_minmax`` then rescales all scores to [0, 1] (as the bertology script did).
     ``per_token`` (michel, fisher): one gate per example and position, as in the
     authors' code, instead of one per example. ``probes`` (taylor): backward passes per
@@ -129,6 +130,9 @@ def score(
     if per_token and method not in PER_TOKEN_METHODS:
         raise UserError(f"per-token gates apply to {' and '.join(PER_TOKEN_METHODS)}, "
                          f"not {method}")
+    if normalize and method == "random":
+        raise UserError("normalize does not apply to random: its scores are seeded uniform "
+                        "draws, with no per-layer scale to divide out; leave it out")
     if method == "taylor" and probes < 1:
         raise UserError(f"taylor needs at least one curvature probe per batch, got {probes}")
     if method in TARGETED and target is None:
@@ -159,8 +163,7 @@ def score(
         n_tokens = 0
     scores = to_original(model, raw)
     if normalize is None:
-        normalize = method not in LOSS_ESTIMATES + JOINT
-    normalize = normalize and method != "random"
+        normalize = method not in (*LOSS_ESTIMATES, *JOINT, "random")
     if normalize:
         scores = _layer_l2(scores)
     if global_minmax:

@@ -379,7 +379,9 @@ class Stage:
             scores=scores,
             step=cfg.step, per_layer=cfg.per_layer,
             min_heads_per_layer=cfg.min_heads_per_layer, batch_size=cfg.batch_size,
-            seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token},
+            seed=cfg.seed, score_kwargs={**self.score_kwargs, "per_token": per_token,
+                                         # a comparison with random: the layer norm is moot
+                                         **({"normalize": None} if method == "random" else {})},
             checkpoint=self.checkpoint, on_step=on_step, unit=cfg.unit,
             group_score=cfg.group_score if scores is None
             else demotion_group_score(method, cfg.group_score),
