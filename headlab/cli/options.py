@@ -86,8 +86,8 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or lo
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary.")]
 NormalizeOpt = Annotated[bool | None, typer.Option(
     "--normalize/--no-normalize", show_default=False,
-    help="Divide each layer's scores by their l2 norm (Michel et al.); default: on, but off "
-         "for taylor, ablation and random.")]
+    help="Divide each layer's scores by their l2 norm (Michel et al.); default: on for "
+         "michel, fisher, entropy and confidence, off for the others; not for random.")]
 MinmaxOpt = Annotated[bool, typer.Option(
     help="Rescale all scores to [0, 1] (as the bertology script did).")]
 PerTokenOpt = Annotated[bool, typer.Option(help="One gate per token (michel/fisher).")]
