@@ -15,7 +15,9 @@ seed 1, not 0), or gates trained for a number of steps at a
 learning rate, the multipliers at their own if given: ``gates:100:0.1`` or
 ``gates:100:0.1:1.0``, or held on the target by projection: ``gates:100:0.1:projection``,
 each step on another number of blocks than the default and the gates' noise drawn from
-another seed than 0 if last fields say so: ``gates:100:0.1:projection:b4:s2``
+another seed than 0 if last fields say so: ``gates:100:0.1:projection:b4:s2``, and
+drawn per token rather than per block with ``token`` after the budget:
+``gates:100:0.1:projection:token:s1``
 (``--variants`` takes several, comma-separated). Gates keep the heads
 whose gates end most open, once (`headlab.select`), and their row says where the expected
 number of open gates ended. Run it on an idle machine without OMP_WAIT_POLICY=PASSIVE, as
@@ -53,16 +55,19 @@ def taylor_options(variant: str) -> dict:
 
 
 def gates_options(variant: str) -> dict:
-    """A gates variant, ``gates:STEPS:LR[:RATE|:projection][:bN][:sN]``, as the options
-    of headlab.score: ``gate_steps``, ``gate_lr``, ``gate_budget``, ``gate_lagrange_lr``
-    (None: ``gate_lr``), ``gate_batch`` (None: the default) and ``seed``."""
+    """A gates variant, ``gates:STEPS:LR[:RATE|:projection][:token][:bN][:sN]``, as the
+    options of headlab.score: ``gate_steps``, ``gate_lr``, ``gate_budget``,
+    ``gate_lagrange_lr`` (None: ``gate_lr``), ``gate_batch`` (None: the default),
+    ``gate_sample`` and ``seed``."""
     _, steps, lr, *rest = variant.split(":")
     tail = _tail(rest)
+    per = "token" if rest[-1:] == ["token"] else "block"
+    rest = rest[:-1] if per == "token" else rest
     projection = rest == ["projection"]
     return {"gate_steps": int(steps), "gate_lr": float(lr),
             "gate_budget": "projection" if projection else "lagrangian",
             "gate_lagrange_lr": float(rest[0]) if rest and not projection else None,
-            "gate_batch": tail.get("b"), "seed": tail.get("s", 0)}
+            "gate_batch": tail.get("b"), "gate_sample": per, "seed": tail.get("s", 0)}
 
 
 def study(name: str, variants: list[str], *, seq_len: int = 128, score_tokens: int = 4096,

@@ -27,15 +27,17 @@ GATES_STUDIES = ROOT / "reports" / "bench" / "schedule-study"
 
 
 def gates_variant(variant: str) -> tuple[str, str, int]:
-    """A schedule_study gates variant (``gates:STEPS:LR[:RATE|:projection][:bN][:sN]``)
-    as (the training, its ``--gate-budget``, its seed): the variants that differ in the
-    seed alone are one training."""
+    """A schedule_study gates variant
+    (``gates:STEPS:LR[:RATE|:projection][:token][:bN][:sN]``) as (the training, its
+    ``--gate-budget``, its seed): the variants that differ in the seed alone are one
+    training."""
     o = gates_options(variant)
     rate = "" if o["gate_lagrange_lr"] is None else f", multipliers at {o['gate_lagrange_lr']}"
     b = o["gate_batch"]
     per_step = "" if b is None else f", {b} block{'' if b == 1 else 's'} a step"
-    return f"{o['gate_steps']} steps at lr {o['gate_lr']}{rate}{per_step}", o["gate_budget"], \
-        o["seed"]
+    per_token = ", a draw per token" if o["gate_sample"] == "token" else ""
+    return (f"{o['gate_steps']} steps at lr {o['gate_lr']}{rate}{per_step}{per_token}",
+            o["gate_budget"], o["seed"])
 
 
 def _mean(rs: list[dict], key: str) -> float:
@@ -90,9 +92,9 @@ def default_seed(variant: str, method: str) -> int | None:
     if method == "gates" and is_gates:
         o = gates_options(variant)
         given = (o["gate_steps"], o["gate_lr"], o["gate_budget"], o["gate_lagrange_lr"],
-                 o["gate_batch"])
+                 o["gate_batch"], o["gate_sample"])
         default = (cfg.gate_steps, cfg.gate_lr, cfg.gate_budget, cfg.gate_lagrange_lr,
-                   cfg.gate_batch)
+                   cfg.gate_batch, cfg.gate_sample)
         return o["seed"] if given == default else None
     if method == "taylor" and not is_gates:
         o = taylor_options(variant)

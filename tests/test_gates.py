@@ -6,7 +6,9 @@ not 0; with a target of every head the gates stay open and selection keeps all;
 projection (the default budget) holds the expected number of open gates on the target
 exactly (its shift agrees with scipy's root finder), and the Lagrangian drives it there;
 a model whose output one head alone carries keeps that head at every target, either way.
-Equivalence: one gate per GQA group scores every head of a group alike.
+Equivalence: one gate per GQA group scores every head of a group alike. A draw per token
+gives each position of a block its own gates, the same model's gates at every one of
+them with a draw per block.
 
 Shape notation: L layers, H heads per layer.
 """
@@ -43,9 +45,11 @@ def test_p_open_is_the_share_of_samples_not_zero():
     assert_close((z != 0).double().mean(0), p_open(log_alpha).double(), rtol=0, atol=5e-3)
 
 
-def test_every_head_as_target_keeps_the_gates_open(tiny_gpt2, blocks):
+@pytest.mark.parametrize("per", ["block", "token"])
+def test_every_head_as_target_keeps_the_gates_open(tiny_gpt2, blocks, per):
     total = tiny_gpt2.n_layers * tiny_gpt2.n_original_heads
-    s = score(tiny_gpt2, blocks, method="gates", target=total, batch_size=4, gate_steps=30)
+    s = score(tiny_gpt2, blocks, method="gates", target=total, batch_size=4, gate_steps=30,
+              gate_sample=per)
     assert bool((p_open(s.tensor()) > 0.99).all())
     assert sum(len(v) for v in select(s, total).kept.values()) == total
     assert s.normalisation is None  # log_alphas compare across layers as they are
@@ -61,14 +65,48 @@ def test_the_expected_open_gates_reach_the_target(tiny_gpt2, blocks, target):
     assert s.extra["target_met"]
 
 
-@pytest.mark.parametrize("steps", [2, 7, 40])
-def test_projection_holds_the_expected_open_gates_on_the_target(tiny_gpt2, blocks, steps):
+@pytest.mark.parametrize(("steps", "per"), [(2, "block"), (7, "block"), (40, "block"),
+                                          (40, "token")])
+def test_projection_holds_the_expected_open_gates_on_the_target(tiny_gpt2, blocks, steps,
+                                                                per):
     """With the default budget, projection, every step ends on the warm-up's goal, so
     the training ends on the target whatever its length, and says so."""
-    s = score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4, gate_steps=steps)
+    s = score(tiny_gpt2, blocks, method="gates", target=3, batch_size=4, gate_steps=steps,
+              gate_sample=per)
     assert float(p_open(s.tensor()).sum()) == pytest.approx(3, rel=1e-6)
     assert s.extra["target_met"] and s.extra["budget"] == "projection"
+    assert s.extra["sample"] == per
     assert s.extra["lambdas"] is None and s.extra["lagrange_lr"] is None  # none trained
+
+
+@pytest.mark.parametrize("per", ["block", "token"])
+def test_a_draw_covers_a_block_or_one_token(tiny_gpt2, blocks, monkeypatch, per):
+    """The gates each step's forward runs with: one row per block, or one per block and
+    position, each position's row a draw of its own; in [0, 1], some exactly 0 or 1."""
+    from headlab.objectives import objective_for
+
+    objective = type(objective_for(tiny_gpt2))
+    forward, seen = objective.forward, []
+
+    def kept(self, model, batch):
+        gate = model.attentions[1].gate_override
+        if gate is not None:  # a student's step, not the model's own outputs
+            seen.append((gate.detach().clone(), tuple(batch["input_ids"].shape)))
+        return forward(self, model, batch)
+
+    monkeypatch.setattr(objective, "forward", kept)
+    score(tiny_gpt2, blocks, method="gates", target=6, batch_size=4, gate_steps=6,
+          gate_sample=per)
+    assert len(seen) == 6
+    H = tiny_gpt2.attentions[1].n_heads
+    for gate, (B, L) in seen:
+        assert gate.shape == ((B, H) if per == "block" else (B, L, H))
+        assert float(gate.min()) >= 0 and float(gate.max()) <= 1
+    gates = torch.cat([g.reshape(-1, H) for g, _ in seen])
+    assert bool((gates == 0).any() or (gates == 1).any())
+    if per == "token":  # the positions of a block draw apart
+        first = seen[0][0][0]  # (L, H): the first block's
+        assert any(not torch.equal(first[0], row) for row in first[1:])
 
 
 def test_the_projection_shift_is_the_root_scipy_finds():
@@ -147,7 +185,7 @@ def test_the_model_s_own_outputs_kept_or_not_train_the_same_gates(tiny_gpt2, blo
     assert torch.equal(learnt[0], learnt[1])
 
 
-@pytest.mark.parametrize("budget", [LAGRANGIAN, {}])
+@pytest.mark.parametrize("budget", [LAGRANGIAN, {}, {"gate_sample": "token"}])
 def test_the_head_that_carries_the_output_is_kept(tiny_gpt2, blocks, budget):
     """Every head's W_O columns scaled to almost nothing but layer 1's head 2, scaled
     up: the model's output is that head's; every target keeps it."""
@@ -188,6 +226,7 @@ def test_one_gate_per_group_scores_a_group_alike(gqa_dir):
     ({"target": 6, "gate_budget": "exact"}, "--gate-budget must be one of lagrangian, "
                                              "projection"),
     ({"target": 6, "gate_batch": 0}, "--gate-batch must be at least 1 block per step"),
+    ({"target": 6, "gate_sample": "sentence"}, "--gate-sample must be one of block, token"),
 ])
 def test_bad_options_say_so(tiny_gpt2, blocks, kwargs, message):
     with pytest.raises(UserError, match=message):

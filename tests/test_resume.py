@@ -139,15 +139,17 @@ def test_killed_distillation_resumes_to_identical_run(tiny_gpt2_dir, tmp_path):
         assert torch.equal(ours[k], theirs[k]), k
 
 
-@pytest.mark.parametrize("budget", ["lagrangian", "projection"])
-def test_killed_gate_training_resumes_to_identical_scores(tiny_gpt2_dir, tmp_path, budget):
+@pytest.mark.parametrize(("budget", "per"), [("lagrangian", "block"), ("projection", "block"),
+                                            ("projection", "token")])
+def test_killed_gate_training_resumes_to_identical_scores(tiny_gpt2_dir, tmp_path, budget,
+                                                          per):
     """Learned gates (`headlab.importance.gates`): the log_alphas, multipliers and
-    AdamW states saved every two steps, each step's noise seeded by its index; with
-    projection, the log_alphas alone carry the state."""
+    AdamW states saved every two steps, each step's noise seeded by its index (a draw
+    per block or per token); with projection, the log_alphas alone carry the state."""
     full = tmp_path / "full"
     cut = tmp_path / "cut"
     keys = dict(command="score", method="gates", keep=0.5, gate_steps=40, gate_budget=budget,
-                **COMMON)
+                gate_sample=per, **COMMON)
     r = _run("run", str(_recipe(tmp_path, tiny_gpt2_dir, "full", out=str(full), **keys)), "-q")
     assert r.returncode == 0, r.stderr
     recipe = _recipe(tmp_path, tiny_gpt2_dir, "cut", out=str(cut), **keys)

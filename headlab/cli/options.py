@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from headlab.importance.gates import BUDGETS as GATE_BUDGETS
+from headlab.importance.gates import SAMPLES as GATE_SAMPLES
 from headlab.models.loading import BUNDLED
 from headlab.runs.config import (
     DEFAULT_METHOD,
@@ -44,6 +45,7 @@ Recovery = StrEnum("Recovery", [(m, m) for m in RECOVERY_METHODS])
 RecoverParams = StrEnum("RecoverParams", [(m, m) for m in RECOVER_PARAMS])
 Sharding = StrEnum("Sharding", [(m, m) for m in SHARDING])
 GateBudget = StrEnum("GateBudget", [(m, m) for m in GATE_BUDGETS])
+GateSample = StrEnum("GateSample", [(m, m) for m in GATE_SAMPLES])
 D = RunConfig.defaults()
 DEFAULT_DEVICE, DEFAULT_DTYPE = Device(D["device"]), DType(D["dtype"])
 DEFAULT_RECOVERY, DEFAULT_RECOVER_PARAMS = Recovery(D["recover"]), RecoverParams(
@@ -109,6 +111,9 @@ GateBudgetOpt = Annotated[GateBudget, typer.Option(
     help="gates: how the expected number of open gates is held to the target: "
          "'lagrangian' (CoFi's multipliers, AdamW steps) or 'projection' (normalised "
          "gradient steps, all gates shifted onto the target after each).")]
+GateSampleOpt = Annotated[GateSample, typer.Option(
+    help="gates: what one draw of the gates covers: 'block' (every position of a block "
+         "sees the same heads) or 'token' (a draw per token and head).")]
 GateRegOpt = Annotated[float, typer.Option(
     help="--demote-by gates: weight of the L1 penalty that pulls the gates toward "
          "streaming (DuoAttention's 0.05).")]
@@ -269,7 +274,8 @@ SCORING = (Opt("normalize", NormalizeOpt), Opt("global_minmax", MinmaxOpt, False
            Opt("gate_lr", GateLrOpt, D["gate_lr"]),
            Opt("gate_lagrange_lr", GateLagrangeLrOpt),
            Opt("gate_budget", GateBudgetOpt, D["gate_budget"]),
-           Opt("gate_batch", GateBatchOpt, D["gate_batch"]))
+           Opt("gate_batch", GateBatchOpt, D["gate_batch"]),
+           Opt("gate_sample", GateSampleOpt, D["gate_sample"]))
 RECOVERY = (
     Opt("recover", Annotated[Recovery, typer.Option(
         help="Repair after pruning, on the scoring split: lsq refits each layer's output "

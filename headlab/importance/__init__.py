@@ -90,6 +90,7 @@ def score(
     gate_lagrange_lr: float | None = None,
     gate_budget: str = gates.DEFAULT_BUDGET,
     gate_batch: int = gates.DEFAULT_BATCH,
+    gate_sample: str = gates.DEFAULT_SAMPLE,
 ) -> HeadScores:
     """Score every present, unmasked head of ``model`` on ``blocks``.
 
@@ -110,7 +111,8 @@ def score(
     batch that estimate the curvature; ``seed`` seeds them (and ``random``).
     ``target`` (gates): how many units to keep, query heads or, with ``unit="kv-group"``,
     GQA groups (one gate each); ``gate_steps`` steps at ``gate_lr``, each on
-    ``gate_batch`` blocks (not ``batch_size``), train them; ``gate_budget="projection"``
+    ``gate_batch`` blocks (not ``batch_size``), train them, the gates drawn once per
+    block or, with ``gate_sample="token"``, once per token; ``gate_budget="projection"``
     holds them on the target by a shift after each step, ``"lagrangian"`` by CoFi's
     multipliers, trained at ``gate_lagrange_lr`` (None: ``gate_lr``)
     (`headlab.importance.gates`).
@@ -139,7 +141,8 @@ def score(
         raise UserError(f"{method} trains toward a number of heads to keep: give a target "
                         "(--keep or --prune)")
     if method == "gates":
-        gates.check_options(gate_steps, gate_lr, gate_lagrange_lr, gate_budget, gate_batch)
+        gates.check_options(gate_steps, gate_lr, gate_lagrange_lr, gate_budget, gate_batch,
+                            gate_sample)
     extra: dict = {}
     if method in ("michel", "fisher", "taylor"):
         raw, n_tokens = _gradient_scores(model, blocks, batch_size, method=method,
@@ -150,7 +153,7 @@ def score(
         raw, n_tokens, extra = gates.train_gates(
             model, blocks, target=target, by_group=unit == "kv-group", steps=gate_steps,
             lr=gate_lr, lagrange_lr=gate_lagrange_lr, budget=gate_budget, batch=gate_batch,
-            seed=seed, checkpoint=checkpoint, key=checkpoint_key)
+            per=gate_sample, seed=seed, checkpoint=checkpoint, key=checkpoint_key)
     elif method == "flap":
         raw, n_tokens = flap_scores(model, blocks, batch_size)
     elif method == "ablation":

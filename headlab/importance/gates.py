@@ -10,7 +10,12 @@ blocks, one block a step by default, to minimise the objective's distillation lo
 toward the model as it came (`Objective.distill_loss`: the KL to its next-token
 distribution for causal LMs) while the expected number of open gates E = sum_u
 P(z_u != 0) is held to a goal that falls linearly from all units to the target count
-over the first half of the steps (CoFi's warm-up). Two budgets hold it:
+over the first half of the steps (CoFi's warm-up). A step draws the gates once per
+block, every position of the block seeing the same pruned model (``block``, the
+default), or once per token and head (``token``: the local reparameterisation that
+Voita et al.'s code offers as ``local_rep``, there per element of the heads' outputs),
+each position then its own draw, so that one step's gradient averages over as many
+draws as the block has tokens. Two budgets hold it:
 
 - ``projection`` (the default): each step moves the log_alphas by the loss's gradient
   over its root mean square (a step that keeps the gradients' relative sizes, where
@@ -58,6 +63,8 @@ TEACHER_SHARE = 0.25  # of the device's memory, at most, for the model's outputs
 TARGET_TOLERANCE = 0.02  # of the target: the Lagrangian has bound where E ends within it
 BUDGETS = ("lagrangian", "projection")  # how the expected number of open gates is held
 DEFAULT_BUDGET = "projection"  # the defaults' study: docs/prune-and-repair.md
+SAMPLES = ("block", "token")  # what one draw of the gates covers (module docstring)
+DEFAULT_SAMPLE = "block"
 
 
 def p_open(log_alpha: torch.Tensor) -> torch.Tensor:
@@ -86,7 +93,10 @@ def ended(details: dict) -> str | None:
 
 
 def check_options(steps: int, lr: float, lagrange_lr: float | None = None,
-                  budget: str = DEFAULT_BUDGET, batch: int = DEFAULT_BATCH) -> None:
+                  budget: str = DEFAULT_BUDGET, batch: int = DEFAULT_BATCH,
+                  per: str = DEFAULT_SAMPLE) -> None:
+    if per not in SAMPLES:
+        raise UserError(f"--gate-sample must be one of {', '.join(SAMPLES)}, got {per!r}")
     if budget not in BUDGETS:
         raise UserError(f"--gate-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
     if steps < 1:
@@ -213,14 +223,15 @@ class _Teacher:
 def train_gates(model: HeadModel, blocks: Blocks, *, target: int, by_group: bool = False,
                 steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
                 lagrange_lr: float | None = None, budget: str = DEFAULT_BUDGET,
-                batch: int = DEFAULT_BATCH, seed: int = 0,
+                batch: int = DEFAULT_BATCH, per: str = DEFAULT_SAMPLE, seed: int = 0,
                 checkpoint: Checkpoint | None = None, key: str = "gates"
                 ) -> tuple[list[torch.Tensor], int, dict]:
     """Train the gates of ``model``'s active heads toward ``target`` open units, each
     step on the next ``batch`` blocks (cycling through them), the gates at ``lr``, the
     Lagrangian's multipliers at ``lagrange_lr`` (None: ``lr``, as Sheared-LLaMA shares
     one rate between them); or, with ``budget="projection"``, by normalised gradient
-    steps of ``lr`` held on the target by a shift (module docstring).
+    steps of ``lr`` held on the target by a shift (module docstring); the gates drawn
+    once per block or, with ``per="token"``, once per token.
 
     ``blocks`` is this rank's shard; under torchrun data parallel the gates' gradients
     are averaged over ranks. Returns per layer the log_alpha of each present head (its
@@ -228,7 +239,7 @@ def train_gates(model: HeadModel, blocks: Blocks, *, target: int, by_group: bool
     training ended at (``expected_open``, ``target_met``: whether that is within
     `TARGET_TOLERANCE` of the target, warned of where not; ``loss``, the multipliers).
     """
-    check_options(steps, lr, lagrange_lr, budget, batch)
+    check_options(steps, lr, lagrange_lr, budget, batch, per)
     lagrange_lr = lr if lagrange_lr is None else lagrange_lr
     unit_of, n_units = _units(model, by_group)
     what = "groups" if by_group else "heads"
@@ -271,14 +282,15 @@ def train_gates(model: HeadModel, blocks: Blocks, *, target: int, by_group: bool
         if not batches:
             return
         batch = batches[step % len(batches)]
-        B = batch["input_ids"].shape[0]
         t_out = teacher(step % len(batches))
         gen = distributed.step_generator(seed, step)
-        u = torch.rand(B, n_units, generator=gen).clamp(EPS, 1 - EPS)
-        z = torch.cat([sample(log_alpha, u), torch.zeros(B, 1)], 1)  # (B, U + 1)
+        # (B, U) draws, or (B, S, U) with one per token
+        shape = batch["input_ids"].shape[:1 if per == "block" else 2]
+        u = torch.rand(*shape, n_units, generator=gen).clamp(EPS, 1 - EPS)
+        z = torch.cat([sample(log_alpha, u), torch.zeros(*shape, 1)], -1)  # (..., U + 1)
         for a, index in zip(model.attentions, unit_of, strict=True):
-            # masked heads read the zero column: they stay closed
-            a.gate_override = z[:, index.where(index >= 0, n_units)].to(device)  # (B, H)
+            # masked heads read the zero column: they stay closed; (B, H) or (B, S, H)
+            a.gate_override = z[..., index.where(index >= 0, n_units)].to(device)
         s_out = objective.forward(model, batch)
         distill = objective.distill_loss(model, s_out, model, t_out, batch, 1.0)
         goal = n_units - (n_units - target) * min(1.0, (step + 1) / warmup)
@@ -326,7 +338,8 @@ def train_gates(model: HeadModel, blocks: Blocks, *, target: int, by_group: bool
                     "which does not always choose better heads (docs/prune-and-repair.md, "
                     "'When the Lagrangian misses its target')", expected, what, target, steps,
                     why, target, move)
-    extra = {"steps": steps, "lr": lr, "budget": budget, "batch": batch, "target": target,
+    extra = {"steps": steps, "lr": lr, "budget": budget, "batch": batch, "sample": per,
+             "target": target,
              "lagrange_lr": lagrange_lr if lagrangian else None,
              "unit": "kv-group" if by_group else "head", "expected_open": expected,
              "target_met": target_met,

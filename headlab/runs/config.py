@@ -32,6 +32,7 @@ from headlab.importance.duo import check_reg as check_gate_reg
 from headlab.importance.gates import DEFAULT_BATCH as GATE_BATCH
 from headlab.importance.gates import DEFAULT_BUDGET as GATE_BUDGET
 from headlab.importance.gates import DEFAULT_LR as GATE_LR
+from headlab.importance.gates import DEFAULT_SAMPLE as GATE_SAMPLE
 from headlab.importance.gates import DEFAULT_STEPS as GATE_STEPS
 from headlab.importance.gates import check_options as check_gate_options
 from headlab.objectives import DEFAULT_BATCH_SIZE
@@ -96,6 +97,7 @@ class RunConfig:
     gate_lagrange_lr: float | None = None  # gates: the multipliers' rate; None: gate_lr
     gate_budget: str = GATE_BUDGET  # gates: how E is held to the target (gates.BUDGETS)
     gate_batch: int = GATE_BATCH  # gates: calibration blocks per training step
+    gate_sample: str = GATE_SAMPLE  # gates: one draw per block or per token (gates.SAMPLES)
     gate_reg: float = GATE_REG  # --demote-by gates: weight of the L1 penalty on the gates
     device: str = "auto"
     dtype: str = "float32"
@@ -193,7 +195,7 @@ class RunConfig:
             raise UserError(f"--method {self.method} trains toward a number of heads to "
                             "keep: give --keep FRACTION or --prune N")
         check_gate_options(self.gate_steps, self.gate_lr, self.gate_lagrange_lr,
-                           self.gate_budget, self.gate_batch)
+                           self.gate_budget, self.gate_batch, self.gate_sample)
         check_gate_reg(self.gate_reg)
         self._check_kv_cache()
         if self.schedule is not None and self.schedule not in SCHEDULES:

@@ -128,7 +128,8 @@ class Stage:
                              "per_token": cfg.per_token, "probes": cfg.probes,
                              "gate_steps": cfg.gate_steps, "gate_lr": cfg.gate_lr,
                              "gate_lagrange_lr": cfg.gate_lagrange_lr,
-                             "gate_budget": cfg.gate_budget, "gate_batch": cfg.gate_batch}
+                             "gate_budget": cfg.gate_budget, "gate_batch": cfg.gate_batch,
+                             "gate_sample": cfg.gate_sample}
 
     def _result(self, scores: HeadScores, **measured: Any) -> RunResult:
         """The run's RunResult: what every run records, plus what this one measured."""
