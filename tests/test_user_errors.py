@@ -200,7 +200,7 @@ def test_api_arguments_are_checked_with_user_errors(tiny_gpt2):
     with pytest.raises(DataError, match="evaluate takes Blocks .* got list"):
         headlab.evaluate(tiny_gpt2, [])
     blocks = make_blocks(data, tok, kind="causal-lm", seq_len=32)
-    with pytest.raises(UserError, match="normalize does not apply to random"):
+    with pytest.raises(UserError, match="--normalize does not apply to --method random"):
         headlab.score(tiny_gpt2, blocks, method="random", normalize=True)
     with pytest.raises(DataError, match="holds no blocks"):
         headlab.evaluate(tiny_gpt2, blocks.subset([]))

@@ -70,6 +70,13 @@ def default_method(targeted: bool) -> str:
     return DEFAULT_METHOD if targeted else UNTARGETED_METHOD
 
 
+def check_normalize(method: str, normalize: bool | None) -> None:
+    """A UserError where ``normalize`` is asked of a method it does not apply to."""
+    if normalize and method == "random":
+        raise UserError("--normalize does not apply to --method random (seeded uniform "
+                        "scores, with no per-layer scale to divide out); leave it out")
+
+
 def score(
     model: HeadModel,
     blocks: Blocks,
@@ -132,9 +139,7 @@ def score(
     if per_token and method not in PER_TOKEN_METHODS:
         raise UserError(f"per-token gates apply to {' and '.join(PER_TOKEN_METHODS)}, "
                          f"not {method}")
-    if normalize and method == "random":
-        raise UserError("normalize does not apply to random: its scores are seeded uniform "
-                        "draws, with no per-layer scale to divide out; leave it out")
+    check_normalize(method, normalize)
     if method == "taylor" and probes < 1:
         raise UserError(f"taylor needs at least one curvature probe per batch, got {probes}")
     if method in TARGETED and target is None:

@@ -25,6 +25,7 @@ from headlab.importance import (  # noqa: F401 (DEFAULT_METHOD, UNTARGETED_METHO
     PER_TOKEN_METHODS,
     TARGETED,
     UNTARGETED_METHOD,
+    check_normalize,
     default_method,
 )
 from headlab.importance.duo import DEFAULT_REG as GATE_REG
@@ -174,9 +175,7 @@ class RunConfig:
         if self.per_token and self.method not in PER_TOKEN_METHODS:
             raise UserError(f"--per-token applies to {' and '.join(PER_TOKEN_METHODS)}, "
                             f"not {self.method}")
-        if self.normalize and self.method == "random":
-            raise UserError("--normalize does not apply to --method random (seeded uniform "
-                            "scores, with no per-layer scale to divide out); leave it out")
+        check_normalize(self.method, self.normalize)
         if self.keep is not None and not (0 < self.keep <= 1):
             raise UserError(f"--keep must be in (0, 1], got {self.keep}")
         if self.keep is not None and self.prune is not None:
