@@ -228,6 +228,10 @@ def test_scores(family, loaded, scoring_blocks):
     lagrangian = score(model, scoring_blocks(family), method="gates", batch_size=4,
                        gate_steps=4, target=model.n_layers, gate_budget="lagrangian")
     assert bool(torch.isfinite(lagrangian.tensor()).all())
+    per_token = score(model, scoring_blocks(family), method="gates", batch_size=4,
+                      gate_steps=4, target=model.n_layers, gate_sample="token")
+    assert bool(torch.isfinite(per_token.tensor()).all()) and per_token.extra["sample"] == "token"
+    assert per_token.extra["expected_open"] == pytest.approx(model.n_layers, rel=1e-6)
 
 
 def _check_curvature_probes(model, batch) -> None:
