@@ -233,11 +233,14 @@ def test_bad_options_say_so(tiny_gpt2, blocks, kwargs, message):
         score(tiny_gpt2, blocks, method="gates", batch_size=4, **kwargs)
 
 
-@pytest.mark.parametrize(("steps", "budget", "met"), [
-    (20, [], True),  # projection, the default, ends on the target
-    (2, ["--gate-budget", "lagrangian", "--gate-batch", "4"], False),  # too few steps
+@pytest.mark.parametrize(("steps", "budget", "met", "per"), [
+    (20, [], True, "block"),  # projection and block draws, the defaults, end on the target
+    # too few steps
+    (2, ["--gate-budget", "lagrangian", "--gate-batch", "4", "--gate-sample", "token"], False,
+     "token"),
 ])
-def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, budget, met):
+def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, budget, met,
+                                             per):
     """`headlab prune --method gates` keeps the training's end in results.json
     (``scoring_details``), says it in the summary and in the report's facts; a file
     read back renders the same line."""
@@ -264,7 +267,7 @@ def test_a_run_records_where_the_gates_ended(tiny_gpt2_dir, tmp_path, steps, bud
     assert (abs(details["expected_open"] - 3) <= 0.06) is met
     line = ended(details)
     assert line.startswith(f"{details['expected_open']:.1f} heads expected open against a "
-                           f"target of 3 after {steps} steps")
+                           f"target of 3 after {steps} steps of draws per {per}")
     assert ("(target met)" if met else "(target missed") in line
     assert json.loads(r.stdout[r.stdout.index("{"):])["gate_training"] == line
     assert line in (out / "report.html").read_text()

@@ -88,8 +88,11 @@ def ended(details: dict) -> str | None:
     met = details.get("target_met")
     verdict = ("" if not isinstance(met, bool) else " (target met)" if met
                else " (target missed; the top-scoring ones are kept all the same)")
+    per = details.get("sample")
+    drawn = f" of draws per {per}" if per in SAMPLES else ""
     return (f"{end[0]:.1f} {'groups' if details.get('unit') == 'kv-group' else 'heads'} "
-            f"expected open against a target of {end[1]:g} after {end[2]:g} steps{verdict}")
+            f"expected open against a target of {end[1]:g} after {end[2]:g} steps{drawn}"
+            f"{verdict}")
 
 
 def check_options(steps: int, lr: float, lagrange_lr: float | None = None,
