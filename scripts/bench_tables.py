@@ -120,8 +120,8 @@ def grid(model: str, g: dict) -> str:
             f"pruning {_num(g['before'])} ({g['total_heads']} heads)", "",
             f"| method | repair | {keeps} |", "|---|---|" + "---|" * len(g["keeps"])]
     for r in g["rows"]:
-        name = (f"random (mean of {len(r['samples'][0])} seeds)" if r["method"] == "random"
-                else r["method"])
+        name = (f"{r['method']} (mean of {len(r['samples'][0])} seeds)"
+                if len(r.get("samples", [[]])[0]) > 1 else r["method"])
         rows.append(f"| {_cell(name)} | {r['repair']} | "
                     + " | ".join(_num(v) for v in r["quality"]) + " |")
     return "\n".join(rows)

@@ -18,8 +18,9 @@ same process, on the same weights and inputs, timed as `headlab._util.timing` de
                 2048, before and after kv-group pruning and demotion of half the groups
                 (`headlab.bench.long_context`)
     quality     held-out quality lost when pruning with michel, taylor, learned gates
-                and FLAP's metric vs with random scores (3 seeds), at keep 0.8, 0.6 and
-                0.4, before and after lsq repair, on the real bundled models; gate
+                and FLAP's metric vs with random scores (the seeded methods over 3
+                seeds), at keep 0.8, 0.6 and 0.4, before and after lsq repair, on the
+                real bundled models; gate
                 training and FLAP's calibration seconds against michel's
     recovery    held-out loss kept after the default repair (lsq) / without it, at keep
                 0.6 on SmolLM2 and MiniLM; its time / michel scoring's

@@ -1,6 +1,7 @@
 """``headlab bench quality``: held-out quality lost when pruning by each importance method
 (michel with and without the layer norm, taylor, learned gates, FLAP's metric) against
-random scores (3 seeds), at several keeps, each before and after `lsq` repair, on the
+random scores, those that depend on a seed averaged over three, at several keeps, each
+before and after `lsq` repair, on the
 real bundled models; and the validation table (`headlab.analysis.validation`): each
 importance method's and detector's Spearman correlation with the true single-head
 ablation cost, with its bootstrap interval. Not a timing but for the ratios of scoring
@@ -48,7 +49,9 @@ class QualitySizes:
     gate_lr: float = DEFAULT_LR
     gate_budget: str = DEFAULT_BUDGET
     gate_batch: int = DEFAULT_BATCH
-    seeds: tuple[int, ...] = (0, 1, 2)  # random scores' seeds, the bar's baseline
+    # the seeds of every method whose choice depends on one (`SEEDED`): its figures are
+    # the mean over them, as the bar's baseline, random, is
+    seeds: tuple[int, ...] = (0, 1, 2)
     # score validation: (bundled model, sequence length, token budget) per run
     validate: tuple[tuple[str, int, int], ...] = (("smollm2-135m", 64, 1024),
                                                    ("minilm-l6", 64, 2048))
@@ -68,6 +71,10 @@ QUALITY_VARIANTS = {
 # held to the bar against random: on every model, and on the causal LMs besides
 QUALITY_TARGETED, DECODER_TARGETED = "michel_unnormalised", ("michel", "taylor")
 GATES_BAR = ("michel", "michel_unnormalised", "taylor")  # gates are held against the best
+# the methods whose heads depend on a seed (random scores, taylor's curvature probes, the
+# gates' noise, which a last-bit change of the arithmetic can move to other heads): each is
+# run with every one of QualitySizes.seeds, its row the mean, timed on the first seed
+SEEDED = ("random", "taylor", "gates")
 FLAP_REPAIR = "bias"  # FLAP's own bias compensation, `headlab.recover(method="bias")`
 
 
@@ -82,8 +89,10 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None,
     res.method = {
         "data": describe(sizes.data),
         "pruning": f"at each keep of {', '.join(map(str, sizes.keeps))}, from the unpruned "
-                   f"model: michel, taylor and random (seeds {sizes.seeds}) by headlab."
-                   f"prune_to_target(method, schedule='iterative', step={sizes.step}) run "
+                   f"model, each of {', '.join(SEEDED)} with each of the seeds {sizes.seeds} "
+                   "(its figures the means over them) and the others once: michel, taylor "
+                   f"and random by headlab.prune_to_target(method, schedule='iterative', "
+                   f"step={sizes.step}) run "
                    "once to the smallest keep, each keep's plan the one that schedule "
                    "stopped there chooses (ScheduleResult.plan_at); "
                    f"{' and '.join(JOINT)}, which choose across layers jointly, scored once "
@@ -137,11 +146,11 @@ def _measure(res: BenchResult, sizes: QualitySizes, device: str, name: str, seq_
 
 
 def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
-    """Every method's (and each random seed's) held-out quality at each keep, pruned and
-    repaired, with the seconds the targets compare. Rows: ``{"method", "repair",
-    "quality": [per keep], "lost": [per keep]}``; random's row holds the seeds' means
-    and ``samples`` (per keep, per seed). ``gates_ended``: each gate training's target
-    and the expected number of gates open at its end."""
+    """Every method's held-out quality at each keep, pruned and repaired, with the
+    seconds the targets compare. Rows: ``{"method", "repair", "quality": [per keep],
+    "lost": [per keep]}``; the `SEEDED` methods' rows hold the means over
+    ``sizes.seeds`` and ``samples`` (per keep, per seed). ``gates_ended``: each gate
+    training's target and the expected number of gates open at its end."""
     import headlab
     from headlab.pruning import copy_model
     from headlab.selection import heads_to_keep
@@ -155,9 +164,10 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
     scorings: dict[str, int] = {}
     trained: list[dict] = []  # per gate training: its target and where it ended
 
-    def scored(name: str, kw: dict, n_keep: int):  # one scoring, timed
+    def scored(name: str, kw: dict, n_keep: int, seed: int = 0):  # one scoring, timed
         t0 = time.perf_counter()
         scores = headlab.score(model, scoring, method=name, batch_size=sizes.batch, **kw,
+                               **({"seed": seed} if name in SEEDED else {}),
                                **({"target": n_keep, "gate_steps": sizes.gate_steps,
                                    "gate_lr": sizes.gate_lr, "gate_budget": sizes.gate_budget,
                                    "gate_batch": sizes.gate_batch}
@@ -167,43 +177,52 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
                                                          "target_met")})
         return scores, time.perf_counter() - t0
 
-    def plans(label: str, name: str, kw: dict, seed: int) -> list:  # one per keep
+    def plans(label: str, name: str, kw: dict, seed: int, timing: bool) -> list:
+        """One plan per keep."""
         if name not in JOINT:  # one schedule to the smallest keep holds every keep's plan
             r = headlab.prune_to_target(model, scoring, heldout, method=name,
                                         n_keep=min(n_keeps), step=sizes.step,
                                         batch_size=sizes.batch, seed=seed, score_kwargs=kw)
-            scorings[label] = sum(int((~s.tensor().isnan()).sum()) > n_keeps[judged]
-                                  for s in r.step_scores)  # a run to the judged keep's
+            if timing:
+                scorings[label] = sum(int((~s.tensor().isnan()).sum()) > n_keeps[judged]
+                                      for s in r.step_scores)  # a run to the judged keep's
             return [r.plan_at(n) for n in n_keeps]
         out, once = [], None
         for i, n_keep in enumerate(n_keeps):
             if once is None or name in TARGETED:
-                once, t = scored(name, kw, n_keep)
-                if i == judged or name not in TARGETED:
+                once, t = scored(name, kw, n_keep, seed)
+                if timing and (i == judged or name not in TARGETED):
                     seconds[label] = t
             out.append(headlab.select(once, n_keep))
         return out
 
-    def measured(plan, repair: str | None, label: str, i: int) -> float:
+    def measured(plan, repair: str | None, label: str, i: int, timing: bool) -> float:
         pruned = headlab.prune(copy_model(model), plan)
         if repair is not None:
             t0 = time.perf_counter()
             headlab.recover(pruned, model, scoring, method=repair, batch_size=sizes.batch)
-            if i == judged:
+            if timing and i == judged:
                 seconds[f"{label}+{repair}"] = time.perf_counter() - t0
         return headlab.evaluate(pruned, heldout, batch_size=sizes.batch).value
 
-    runs = [(label, *QUALITY_VARIANTS[label][:2], 0) for label in sizes.methods]
-    runs += [(f"random:{seed}", "random", {}, seed) for seed in sizes.seeds]
-    quality: dict[tuple[str, str], list[float]] = {}
+    labels = [(label, *QUALITY_VARIANTS[label][:2]) for label in sizes.methods]
+    runs = [(label, name, kw, seed) for label, name, kw in [*labels, ("random", "random", {})]
+            for seed in (sizes.seeds if name in SEEDED else (0,))]
+    quality: dict[tuple[str, str], list[float]] = {}  # (label, repair) -> per keep
+    seeded: dict[str, list[str]] = {}  # a seeded method's label -> its runs' labels
     for label, name, kw, seed in runs:
         repairs = [None, sizes.recover] + ([FLAP_REPAIR] if name == "flap" else [])
-        log.info("%s at keep %s, pruned and after %s", label,
+        run = label
+        if name in SEEDED:
+            run = f"{label}:{seed}"
+            seeded.setdefault(label, []).append(run)
+        timing = run == label or seed == sizes.seeds[0]  # a seeded method's first seed
+        log.info("%s at keep %s, pruned and after %s", run,
                  ", ".join(map(str, sizes.keeps)), ", ".join(r for r in repairs if r))
-        chosen = plans(label, name, dict(kw), seed)
+        chosen = plans(label, name, dict(kw), seed, timing)
         for repair in repairs:
-            quality[label, repair or "none"] = [measured(p, repair, label, i)
-                                                for i, p in enumerate(chosen)]
+            quality[run, repair or "none"] = [measured(p, repair, label, i, timing)
+                                              for i, p in enumerate(chosen)]
     for method in dict.fromkeys(("michel", DEFAULT_METHOD)):  # one scoring of each, timed
         if method not in seconds:
             _, seconds[method] = scored(method, {}, n_keeps[judged])
@@ -216,14 +235,19 @@ def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
     def mean(xs) -> float:
         return sum(xs) / len(xs)
 
-    rows = [row(label, repair) for label, repair in quality if not label.startswith("random:")]
-    for repair in ("none", sizes.recover):
-        seeds = [row(f"random:{s}", repair) for s in sizes.seeds]
-        samples = [[s["lost"][i] for s in seeds] for i in range(len(n_keeps))]  # keep x seed
-        rows.append({"method": "random", "repair": repair,
-                     "quality": [mean([s["quality"][i] for s in seeds])
-                                 for i in range(len(n_keeps))],
-                     "lost": [mean(x) for x in samples], "samples": samples})
+    rows = []
+    for label in [*sizes.methods, "random"]:
+        runs = seeded.get(label, [label])
+        for repair in dict.fromkeys(r for run, r in quality if run == runs[0]):
+            each = [row(run, repair) for run in runs]
+            if label not in seeded:
+                rows.extend(each)
+                continue
+            samples = [[s["lost"][i] for s in each] for i in range(len(n_keeps))]  # keep x seed
+            rows.append({"method": label, "repair": repair,
+                         "quality": [mean([s["quality"][i] for s in each])
+                                     for i in range(len(n_keeps))],
+                         "lost": [mean(x) for x in samples], "samples": samples})
     return {"metric": before.metric, "before": before.value, "keeps": list(sizes.keeps),
             "heads_kept": n_keeps, "total_heads": total, "rows": rows, "seconds": seconds,
             "scorings": scorings, "gates_ended": trained}
@@ -234,7 +258,12 @@ def _judge(res: BenchResult, name: str, grid: dict, setting: str, sizes: Quality
     metric, j = grid["metric"], grid["keeps"].index(sizes.keep)
     decoder = metric == "perplexity"  # the causal LMs' metric alone
     lost = {(r["method"], r["repair"]): r["lost"][j] for r in grid["rows"]}
-    random = next(r for r in grid["rows"] if (r["method"], r["repair"]) == ("random", "none"))
+    samples = {(r["method"], r["repair"]): r["samples"][j] if "samples" in r else [r["lost"][j]]
+               for r in grid["rows"]}  # per seed where the method is seeded
+
+    def named(method: str) -> str:  # as the figures' lines say it
+        n = len(samples[method, "none"])
+        return QUALITY_VARIANTS[method][2] + (f" (mean of {n} seeds)" if n > 1 else "")
 
     def ratio(a: float, b: float) -> float:
         return a / b if b > 0 else float("nan")
@@ -248,13 +277,13 @@ def _judge(res: BenchResult, name: str, grid: dict, setting: str, sizes: Quality
             res.add_target(f"{name}.{figure}", target=bar, op="<=", what=what)
 
     res.add(f"{name}.{metric}_before", [grid["before"]], metric)
-    res.add(f"{name}.random_lost", random["samples"][j], metric)
+    res.add(f"{name}.random_lost", samples["random", "none"], metric)
     at = f"at keep {sizes.keep}"
     for method in sizes.methods:
-        res.add(f"{name}.{method}_lost", [lost[method, "none"]], metric)
-        report(f"{method}_over_random", ratio(lost[method, "none"], random["lost"][j]), "x",
-               f"{metric} lost {at}, {QUALITY_VARIANTS[method][2]} / mean of "
-               f"{len(sizes.seeds)} random seed(s)",
+        res.add(f"{name}.{method}_lost", samples[method, "none"], metric)
+        report(f"{method}_over_random", ratio(lost[method, "none"], lost["random", "none"]), "x",
+               f"{metric} lost {at}, {named(method)} / mean of "
+               f"{len(samples['random', 'none'])} random seed(s)",
                0.5 if method == QUALITY_TARGETED or decoder and method in DECODER_TARGETED
                else None)
     bar = [m for m in GATES_BAR if m in sizes.methods]
@@ -264,7 +293,8 @@ def _judge(res: BenchResult, name: str, grid: dict, setting: str, sizes: Quality
             after = "" if repair == "none" else f"_{repair}"
             report(f"gates{after}_over_best", ratio(lost["gates", repair], best), "x",
                    f"{metric} lost {at}" + ("" if repair == "none" else f" after {repair}")
-                   + f", gates / the least of {', '.join(bar)}", 0.7 if decoder else None)
+                   + f", {named('gates')} / the least of {', '.join(bar)}",
+                   0.7 if decoder else None)
         report("gates_seconds_over_michel",
                grid["seconds"]["gates"] / grid["seconds"]["michel"], "x",
                f"gate training seconds (toward keep {sizes.keep}) / one michel scoring", 5.0)
