@@ -240,7 +240,8 @@ def test_quality_grid_has_every_method_at_every_keep_and_the_docs_render_it(tiny
     d = json.loads((out / "quality.json").read_text())
     sizes = PRESETS["tiny"]["quality"]
     # measured in parts, for --resume; the parts' checkpoint goes once the run completes
-    assert list(d["checks"]["parts"]) == ["minilm-l6"] and not (out / "quality.parts").exists()
+    assert list(d["checks"]["parts"])[:2] == ["minilm-l6:timing", "minilm-l6:michel_unnormalised"]
+    assert not (out / "quality.parts").exists()
     g = d["checks"]["minilm-l6.grid"]
     assert g["keeps"] == list(sizes.keeps) and g["total_heads"] == 72
     assert g["heads_kept"] == [math.ceil(k * 72) for k in sizes.keeps]
@@ -256,7 +257,8 @@ def test_quality_grid_has_every_method_at_every_keep_and_the_docs_render_it(tiny
         if "samples" in r:
             assert [len(s) for s in r["samples"]] == [3] * len(sizes.keeps)
             assert r["lost"] == pytest.approx([statistics.mean(s) for s in r["samples"]])
-    assert {"michel", "gates", "flap", "michel+lsq", "flap+bias"} <= set(g["seconds"])
+    assert set(g["seconds"]) == {"michel", "gates", "gates+lsq", "flap", "flap+bias"}
+    assert "minilm-l6.timing" not in d["checks"] and d["checks"]["minilm-l6.tokens"]["heldout"]
     # one gate training per seed and keep, each toward that keep's heads, and where it ended
     assert [t["target"] for t in g["gates_ended"]] == g["heads_kept"] * 3
     assert all(t["target_met"] == (abs(t["expected_open"] - t["target"])
@@ -612,7 +614,7 @@ def test_an_interrupted_bench_command_says_how_to_resume(tmp_path, monkeypatch):
     monkeypatch.setitem(PRESETS["full"], "quality", PRESETS["tiny"]["quality"])
     r = CliRunner().invoke(app, ["bench", "quality", "--out", str(tmp_path)])
     assert r.exit_code == 130
-    assert (f"the models measured are kept in {tmp_path / 'quality.parts'}; continue with "
+    assert (f"the parts measured are kept in {tmp_path / 'quality.parts'}; continue with "
             f"headlab bench quality --resume --out {tmp_path}") in r.output
 
     def at_once(sizes, *, device, models, parts):
@@ -644,10 +646,12 @@ def test_a_resumed_quality_benchmark_equals_the_run_it_continues(tmp_path, monke
     def not_again(*args):
         raise AssertionError("a finished part was measured again")
 
-    monkeypatch.setattr(quality, "_measure", not_again)
+    monkeypatch.setattr(quality._Inputs, "__call__", not_again)  # loads nothing
     again = quality.bench_quality(sizes, parts=Parts(tmp_path, identity, resume=True))
     assert again.to_json() == first.to_json()
-    assert list(first.checks["parts"]) == ["minilm-l6"]
+    # one part for the timings, then one per method (and seed, where seeded)
+    assert list(first.checks["parts"]) == ["minilm-l6:timing", "minilm-l6:michel_unnormalised",
+                                           "minilm-l6:taylor:0", "minilm-l6:random:0"]
     # a part keeps its measurements, not its verdicts: a kept part meets the bars of now
     monkeypatch.setattr(quality, "QUALITY_TARGETED", "taylor")
     judged = quality.bench_quality(sizes, parts=Parts(tmp_path, identity, resume=True))
@@ -655,6 +659,40 @@ def test_a_resumed_quality_benchmark_equals_the_run_it_continues(tmp_path, monke
         "minilm-l6.taylor_over_random"}
     assert "minilm-l6.michel_unnormalised_over_random" in {f for f, _ in judged.info}
     assert judged.checks == first.checks
+
+
+def test_a_quality_benchmark_resumes_from_the_method_it_stopped_at(tmp_path, monkeypatch):
+    """Interrupted in a model's third method, a resumed run measures that method and the
+    ones after it, not the model's timings or the methods before, and its grid equals
+    an uninterrupted run's."""
+    from headlab.bench import quality
+    from headlab.bench._parts import Parts
+
+    sizes = replace(PRESETS["tiny"]["quality"], runs=(("minilm-l6", 16, 64),),
+                    keeps=(0.6,), methods=("michel_unnormalised", "taylor"), seeds=(0, 1))
+    identity = {"sizes": repr(sizes)}
+    whole = quality.bench_quality(sizes, parts=Parts(tmp_path / "whole", identity,
+                                                     resume=False))
+    measured, run = [], quality._run
+
+    def counted(inputs, sizes, r):
+        measured.append(r.key)
+        if r.key == "taylor:1" and measured.count("taylor:1") == 1:
+            raise KeyboardInterrupt
+        return run(inputs, sizes, r)
+
+    monkeypatch.setattr(quality, "_run", counted)
+    with pytest.raises(KeyboardInterrupt):
+        quality.bench_quality(sizes, parts=Parts(tmp_path / "cut", identity, resume=False))
+    assert measured == ["michel_unnormalised", "taylor:0", "taylor:1"]
+    monkeypatch.setattr(quality, "_timing", lambda *a: pytest.fail("timed again"))
+    resumed = quality.bench_quality(sizes, parts=Parts(tmp_path / "cut", identity,
+                                                       resume=True))
+    assert measured[3:] == ["taylor:1", "random:0", "random:1"]
+    grid, again = whole.checks["minilm-l6.grid"], resumed.checks["minilm-l6.grid"]
+    assert again["rows"] == grid["rows"] and again["before"] == grid["before"]
+    taylor = next(r for r in again["rows"] if (r["method"], r["repair"]) == ("taylor", "none"))
+    assert len(taylor["samples"][0]) == 2  # both seeds, the one measured after the resume too
 
 
 def test_bad_arguments_are_user_errors(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from headlab.bench._common import BenchResult
 from headlab.bench._data import describe, scoring_and_heldout
@@ -119,8 +120,17 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None,
                 f"unpruned model) + {sizes.recover} / flap's scoring + {FLAP_REPAIR} "
                 "(target <= 3)",
     }
-    for run in sizes.runs:
-        measure_part(parts, res, run[0], lambda run=run: _measure(res, sizes, device, *run))
+    for name, seq_len, max_tokens in sizes.runs:
+        inputs = _Inputs(name, seq_len, max_tokens, sizes, device)
+        # the timings in one part, each ratio's two sides in the same run of the machine,
+        # then one part per method and seed: (part, check it writes, what computes it)
+        each = [(f"{name}:timing", f"{name}.timing", partial(_timing, inputs, sizes))]
+        each += [(f"{name}:{run.key}", f"{name}.run:{run.key}", partial(_run, inputs, sizes, run))
+                 for run in _runs(sizes)]
+        for key, check, compute in each:
+            measure_part(parts, res, key, lambda check=check, compute=compute:
+                         res.checks.update({check: compute()}))
+        res.checks[f"{name}.grid"] = _grid(res.checks, name, sizes)
     for name, seq_len, max_tokens in sizes.runs:  # judged from the grids as the bars are now,
         # so that a part kept from an earlier run is held to the same bars as a new one
         _judge(res, name, res.checks[f"{name}.grid"], f"S={seq_len}, {max_tokens} tokens",
@@ -131,126 +141,191 @@ def bench_quality(sizes: QualitySizes, *, device: str = "cpu", models=None,
     return res
 
 
-def _measure(res: BenchResult, sizes: QualitySizes, device: str, name: str, seq_len: int,
-             max_tokens: int) -> None:
-    """One model of the benchmark: its grid, token counts, figures and targets."""
-    import headlab
+class _Inputs:
+    """One model of the benchmark and its scoring and held-out blocks, loaded when a part
+    first needs them (a resumed run whose parts are all kept loads nothing)."""
 
-    model = headlab.load(name, device=device)
-    scoring, heldout = scoring_and_heldout(model, sizes.data, seq_len=seq_len,
-                                           max_tokens=max_tokens, batch_size=sizes.batch)
-    grid = _grid(model, scoring, heldout, sizes)
-    res.checks[f"{name}.grid"] = grid
-    res.checks[f"{name}.tokens"] = {"scoring": int(scoring.attention_mask.sum()),
-                                    "heldout": int(heldout.attention_mask.sum())}
+    def __init__(self, name: str, seq_len: int, max_tokens: int, sizes: QualitySizes,
+                 device: str) -> None:
+        self.name, self.seq_len, self.max_tokens = name, seq_len, max_tokens
+        self.sizes, self.device = sizes, device
+        self.loaded: tuple | None = None
+
+    def __call__(self) -> tuple:
+        """(model, scoring, heldout)."""
+        if self.loaded is None:
+            import headlab
+
+            model = headlab.load(self.name, device=self.device)
+            scoring, heldout = scoring_and_heldout(
+                model, self.sizes.data, seq_len=self.seq_len, max_tokens=self.max_tokens,
+                batch_size=self.sizes.batch)
+            self.loaded = model, scoring, heldout
+        return self.loaded
 
 
-def _grid(model, scoring, heldout, sizes: QualitySizes) -> dict:
-    """Every method's held-out quality at each keep, pruned and repaired, with the
-    seconds the targets compare. Rows: ``{"method", "repair", "quality": [per keep],
-    "lost": [per keep]}``; the `SEEDED` methods' rows hold the means over
-    ``sizes.seeds`` and ``samples`` (per keep, per seed). ``gates_ended``: each gate
-    training's target and the expected number of gates open at its end."""
-    import headlab
-    from headlab.pruning import copy_model
+@dataclass(frozen=True)
+class _Run:
+    """One method's run: ``label`` (a QualitySizes.methods entry, or ``random``), the
+    method and its scoring options, the seed; ``key`` names its part."""
+
+    label: str
+    method: str
+    options: dict
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.label}:{self.seed}" if self.method in SEEDED else self.label
+
+
+def _runs(sizes: QualitySizes) -> list[_Run]:
+    """Every method once, the `SEEDED` ones with each seed, random last."""
+    labels = [(label, *QUALITY_VARIANTS[label][:2]) for label in sizes.methods]
+    return [_Run(label, method, kw, seed)
+            for label, method, kw in [*labels, ("random", "random", {})]
+            for seed in (sizes.seeds if method in SEEDED else (0,))]
+
+
+def _n_keeps(model, sizes: QualitySizes) -> list[int]:
     from headlab.selection import heads_to_keep
 
-    total = model.n_layers * model.n_original_heads
-    n_keeps = [heads_to_keep(total, keep=k) for k in sizes.keeps]
-    judged = sizes.keeps.index(sizes.keep)
+    return [heads_to_keep(model.n_layers * model.n_original_heads, keep=k)
+            for k in sizes.keeps]
+
+
+def _scored(loaded: tuple, sizes: QualitySizes, method: str, kw: dict, n_keep: int,
+            seed: int = 0):
+    """One scoring of the unpruned model, timed: (scores, seconds)."""
+    import headlab
+
+    model, scoring, _ = loaded
+    t0 = time.perf_counter()
+    scores = headlab.score(model, scoring, method=method, batch_size=sizes.batch, **kw,
+                           **({"seed": seed} if method in SEEDED else {}),
+                           **({"target": n_keep, "gate_steps": sizes.gate_steps,
+                               "gate_lr": sizes.gate_lr, "gate_budget": sizes.gate_budget,
+                               "gate_batch": sizes.gate_batch}
+                              if method in TARGETED else {}))
+    return scores, time.perf_counter() - t0
+
+
+def _pruned(loaded: tuple, plan, repair: str | None, sizes: QualitySizes):
+    """The unpruned model less ``plan``'s heads, repaired by ``repair`` if given: (the
+    model, the repair's seconds or None)."""
+    import headlab
+    from headlab.pruning import copy_model
+
+    model, scoring, _ = loaded
+    pruned = headlab.prune(copy_model(model), plan)
+    if repair is None:
+        return pruned, None
+    t0 = time.perf_counter()
+    headlab.recover(pruned, model, scoring, method=repair, batch_size=sizes.batch)
+    return pruned, time.perf_counter() - t0
+
+
+def _timing(inputs: _Inputs, sizes: QualitySizes) -> dict:
+    """The quality before pruning, the heads at each keep, the tokens, and the seconds
+    the targets compare, at the judged keep: one michel scoring, the default method's
+    scoring and its repair, FLAP's scoring and its bias compensation."""
+    import headlab
+
+    model, scoring, heldout = loaded = inputs()
     before = headlab.evaluate(model, heldout, batch_size=sizes.batch)
-    sign = -1 if before.higher_is_better else 1
-    seconds: dict[str, float] = {}
-    scorings: dict[str, int] = {}
-    trained: list[dict] = []  # per gate training: its target and where it ended
-
-    def scored(name: str, kw: dict, n_keep: int, seed: int = 0):  # one scoring, timed
-        t0 = time.perf_counter()
-        scores = headlab.score(model, scoring, method=name, batch_size=sizes.batch, **kw,
-                               **({"seed": seed} if name in SEEDED else {}),
-                               **({"target": n_keep, "gate_steps": sizes.gate_steps,
-                                   "gate_lr": sizes.gate_lr, "gate_budget": sizes.gate_budget,
-                                   "gate_batch": sizes.gate_batch}
-                                  if name in TARGETED else {}))
-        if name in TARGETED:
-            trained.append({k: scores.extra[k] for k in ("target", "expected_open",
-                                                         "target_met")})
-        return scores, time.perf_counter() - t0
-
-    def plans(label: str, name: str, kw: dict, seed: int, timing: bool) -> list:
-        """One plan per keep."""
-        if name not in JOINT:  # one schedule to the smallest keep holds every keep's plan
-            r = headlab.prune_to_target(model, scoring, heldout, method=name,
-                                        n_keep=min(n_keeps), step=sizes.step,
-                                        batch_size=sizes.batch, seed=seed, score_kwargs=kw)
-            if timing:
-                scorings[label] = sum(int((~s.tensor().isnan()).sum()) > n_keeps[judged]
-                                      for s in r.step_scores)  # a run to the judged keep's
-            return [r.plan_at(n) for n in n_keeps]
-        out, once = [], None
-        for i, n_keep in enumerate(n_keeps):
-            if once is None or name in TARGETED:
-                once, t = scored(name, kw, n_keep, seed)
-                if timing and (i == judged or name not in TARGETED):
-                    seconds[label] = t
-            out.append(headlab.select(once, n_keep))
-        return out
-
-    def measured(plan, repair: str | None, label: str, i: int, timing: bool) -> float:
-        pruned = headlab.prune(copy_model(model), plan)
+    n_keeps = _n_keeps(model, sizes)
+    n_keep = n_keeps[sizes.keeps.index(sizes.keep)]
+    seconds = {}
+    for method, repair in {"michel": None, DEFAULT_METHOD: sizes.recover,
+                           "flap": FLAP_REPAIR}.items():
+        scores, seconds[method] = _scored(loaded, sizes, method, {}, n_keep)
         if repair is not None:
-            t0 = time.perf_counter()
-            headlab.recover(pruned, model, scoring, method=repair, batch_size=sizes.batch)
-            if timing and i == judged:
-                seconds[f"{label}+{repair}"] = time.perf_counter() - t0
-        return headlab.evaluate(pruned, heldout, batch_size=sizes.batch).value
+            _, seconds[f"{method}+{repair}"] = _pruned(
+                loaded, headlab.select(scores, n_keep), repair, sizes)
+    return {"metric": before.metric, "before": before.value,
+            "higher_is_better": before.higher_is_better, "heads_kept": n_keeps,
+            "total_heads": model.n_layers * model.n_original_heads,
+            "tokens": {"scoring": int(scoring.attention_mask.sum()),
+                       "heldout": int(heldout.attention_mask.sum())},
+            "seconds": seconds}
 
-    labels = [(label, *QUALITY_VARIANTS[label][:2]) for label in sizes.methods]
-    runs = [(label, name, kw, seed) for label, name, kw in [*labels, ("random", "random", {})]
-            for seed in (sizes.seeds if name in SEEDED else (0,))]
-    quality: dict[tuple[str, str], list[float]] = {}  # (label, repair) -> per keep
-    seeded: dict[str, list[str]] = {}  # a seeded method's label -> its runs' labels
-    for label, name, kw, seed in runs:
-        repairs = [None, sizes.recover] + ([FLAP_REPAIR] if name == "flap" else [])
-        run = label
-        if name in SEEDED:
-            run = f"{label}:{seed}"
-            seeded.setdefault(label, []).append(run)
-        timing = run == label or seed == sizes.seeds[0]  # a seeded method's first seed
-        log.info("%s at keep %s, pruned and after %s", run,
-                 ", ".join(map(str, sizes.keeps)), ", ".join(r for r in repairs if r))
-        chosen = plans(label, name, dict(kw), seed, timing)
-        for repair in repairs:
-            quality[run, repair or "none"] = [measured(p, repair, label, i, timing)
-                                              for i, p in enumerate(chosen)]
-    for method in dict.fromkeys(("michel", DEFAULT_METHOD)):  # one scoring of each, timed
-        if method not in seconds:
-            _, seconds[method] = scored(method, {}, n_keeps[judged])
 
-    def row(label: str, repair: str) -> dict:
-        q = quality[label, repair]
-        return {"method": label, "repair": repair, "quality": q,
-                "lost": [sign * (v - before.value) for v in q]}
+def _run(inputs: _Inputs, sizes: QualitySizes, run: _Run) -> dict:
+    """One run's held-out quality at each keep, pruned and after each repair:
+    ``{"quality": {repair: [per keep]}, "scorings", "gates_ended"}``; ``scorings``: for
+    a schedule, how many scorings it took to reach the judged keep; ``gates_ended``: per
+    gate training, its target and the expected number of gates open at its end."""
+    import headlab
+
+    model, scoring, heldout = loaded = inputs()
+    n_keeps = _n_keeps(model, sizes)
+    judged = sizes.keeps.index(sizes.keep)
+    repairs = [None, sizes.recover] + ([FLAP_REPAIR] if run.method == "flap" else [])
+    log.info("%s at keep %s, pruned and after %s", run.key,
+             ", ".join(map(str, sizes.keeps)), ", ".join(r for r in repairs if r))
+    scorings, trained = None, []
+    if run.method not in JOINT:  # one schedule to the smallest keep holds every keep's plan
+        r = headlab.prune_to_target(model, scoring, heldout, method=run.method,
+                                    n_keep=min(n_keeps), step=sizes.step,
+                                    batch_size=sizes.batch, seed=run.seed,
+                                    score_kwargs=dict(run.options))
+        scorings = sum(int((~s.tensor().isnan()).sum()) > n_keeps[judged]
+                       for s in r.step_scores)  # a run to the judged keep's
+        chosen = [r.plan_at(n) for n in n_keeps]
+    else:
+        chosen, once = [], None
+        for n_keep in n_keeps:
+            if once is None or run.method in TARGETED:
+                once, _ = _scored(loaded, sizes, run.method, dict(run.options), n_keep,
+                                  run.seed)
+                if run.method in TARGETED:
+                    trained.append({k: once.extra[k] for k in ("target", "expected_open",
+                                                               "target_met")})
+            chosen.append(headlab.select(once, n_keep))
+    quality = {repair or "none": [headlab.evaluate(_pruned(loaded, plan, repair, sizes)[0],
+                                                   heldout, batch_size=sizes.batch).value
+                                  for plan in chosen]
+               for repair in repairs}
+    return {"quality": quality, "scorings": scorings, "gates_ended": trained}
+
+
+def _grid(checks: dict, name: str, sizes: QualitySizes) -> dict:
+    """One model's grid from its parts (which it takes out of ``checks``): every
+    method's held-out quality at each keep, pruned and repaired, with the seconds the
+    targets compare. Rows: ``{"method", "repair", "quality": [per keep], "lost": [per
+    keep]}``; the `SEEDED` methods' rows hold the means over ``sizes.seeds`` and
+    ``samples`` (per keep, per seed). ``scorings``: the schedules' scorings to the judged
+    keep (first seed); ``gates_ended``: each gate training's target and where it
+    ended. The model's token counts go back into ``checks``."""
+    timing = checks.pop(f"{name}.timing")
+    runs = {run.key: (run, checks.pop(f"{name}.run:{run.key}")) for run in _runs(sizes)}
+    sign = -1 if timing["higher_is_better"] else 1
 
     def mean(xs) -> float:
         return sum(xs) / len(xs)
 
     rows = []
     for label in [*sizes.methods, "random"]:
-        runs = seeded.get(label, [label])
-        for repair in dict.fromkeys(r for run, r in quality if run == runs[0]):
-            each = [row(run, repair) for run in runs]
-            if label not in seeded:
-                rows.extend(each)
-                continue
-            samples = [[s["lost"][i] for s in each] for i in range(len(n_keeps))]  # keep x seed
-            rows.append({"method": label, "repair": repair,
-                         "quality": [mean([s["quality"][i] for s in each])
-                                     for i in range(len(n_keeps))],
-                         "lost": [mean(x) for x in samples], "samples": samples})
-    return {"metric": before.metric, "before": before.value, "keeps": list(sizes.keeps),
-            "heads_kept": n_keeps, "total_heads": total, "rows": rows, "seconds": seconds,
-            "scorings": scorings, "gates_ended": trained}
+        mine = [(run, got) for run, got in runs.values() if run.label == label]
+        for repair in mine[0][1]["quality"]:
+            quality = [got["quality"][repair] for _, got in mine]  # seed x keep
+            lost = [[sign * (v - timing["before"]) for v in q] for q in quality]
+            row = {"method": label, "repair": repair,
+                   "quality": [mean(q) for q in zip(*quality, strict=True)],
+                   "lost": [mean(x) for x in zip(*lost, strict=True)]}
+            if mine[0][0].method in SEEDED:
+                row["samples"] = [list(x) for x in zip(*lost, strict=True)]  # keep x seed
+            rows.append(row)
+    first = {run.label: got for run, got in runs.values()
+             if run.method not in SEEDED or run.seed == sizes.seeds[0]}
+    checks[f"{name}.tokens"] = timing["tokens"]
+    return {"metric": timing["metric"], "before": timing["before"],
+            "keeps": list(sizes.keeps), "heads_kept": timing["heads_kept"],
+            "total_heads": timing["total_heads"], "rows": rows,
+            "seconds": timing["seconds"],
+            "scorings": {label: got["scorings"] for label, got in first.items()
+                         if got["scorings"] is not None},
+            "gates_ended": [t for _, got in runs.values() for t in got["gates_ended"]]}
 
 
 def _judge(res: BenchResult, name: str, grid: dict, setting: str, sizes: QualitySizes) -> None:

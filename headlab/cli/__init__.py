@@ -95,7 +95,7 @@ def bench(
             kept = kept_parts(out, which)
             if not kept:
                 raise
-            typer.echo(f"interrupted: the models measured are kept in "
+            typer.echo(f"interrupted: the parts measured are kept in "
                        f"{', '.join(map(str, kept))}; continue with headlab bench {which} "
                        f"--resume --out {out}", err=True)
             raise typer.Exit(130) from None
