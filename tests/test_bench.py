@@ -253,14 +253,15 @@ def test_quality_grid_has_every_method_at_every_keep_and_the_docs_render_it(tiny
         for q, lost in zip(r["quality"], r["lost"], strict=True):  # fidelity: lost = 1 - q
             assert lost == pytest.approx(g["before"] - q, abs=1e-12)
         # the methods whose heads depend on a seed: the mean over the seeds, each kept
-        assert ("samples" in r) is (r["method"] in ("random", "taylor", "gates"))
+        assert ("samples" in r) is (r["method"] in ("random", "taylor", "gates", "gates_token"))
         if "samples" in r:
             assert [len(s) for s in r["samples"]] == [3] * len(sizes.keeps)
             assert r["lost"] == pytest.approx([statistics.mean(s) for s in r["samples"]])
     assert set(g["seconds"]) == {"michel", "gates", "gates+lsq", "flap", "flap+bias"}
     assert "minilm-l6.timing" not in d["checks"] and d["checks"]["minilm-l6.tokens"]["heldout"]
-    # one gate training per seed and keep, each toward that keep's heads, and where it ended
-    assert [t["target"] for t in g["gates_ended"]] == g["heads_kept"] * 3
+    # one gate training per seed and keep, drawn per block and per token, each toward
+    # that keep's heads, and where it ended
+    assert [t["target"] for t in g["gates_ended"]] == g["heads_kept"] * 3 * 2
     assert all(t["target_met"] == (abs(t["expected_open"] - t["target"])
                                    <= 0.02 * t["target"]) for t in g["gates_ended"])
     table = script("bench_tables").table(d)

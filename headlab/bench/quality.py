@@ -44,7 +44,8 @@ class QualitySizes:
     # default method is timed and judged as a user runs it
     step: float = RunConfig.step
     batch: int = 4
-    methods: tuple[str, ...] = ("michel_unnormalised", "michel", "taylor", "gates", "flap")
+    methods: tuple[str, ...] = ("michel_unnormalised", "michel", "taylor", "gates", "gates_token",
+                                "flap")
     recover: str = "lsq"
     gate_steps: int = DEFAULT_STEPS  # the gates' training, as `headlab prune` trains them
     gate_lr: float = DEFAULT_LR
@@ -67,6 +68,8 @@ QUALITY_VARIANTS = {
     "michel_unnormalised": ("michel", {"normalize": False}, "michel without the layer norm"),
     "taylor": ("taylor", {}, "taylor"),
     "gates": ("gates", {}, "learned hard-concrete gates"),
+    "gates_token": ("gates", {"gate_sample": "token"},
+                    "learned hard-concrete gates drawn per token"),
     "flap": ("flap", {}, "FLAP's WIFV metric, adaptive across layers"),
 }
 # held to the bar against random: on every model, and on the causal LMs besides
