@@ -77,7 +77,8 @@ SeqLenOpt = Annotated[int | None, typer.Option(
          "capped by the model's positions).")]
 BatchSizeOpt = Annotated[int, typer.Option(help="Blocks per batch.")]
 SeedOpt = Annotated[int, typer.Option(
-    help="Seed of the scoring/held-out split, the masking and random scores.")]
+    help="Seed of what a run draws at random: the scoring/held-out split, random "
+         "scores, taylor's curvature probes and the gates' noise.")]
 DeviceOpt = Annotated[Device, typer.Option(help="auto picks CUDA when present.")]
 DTypeOpt = Annotated[DType, typer.Option(help="Model dtype.")]
 ShardOpt = Annotated[Sharding | None, typer.Option(
